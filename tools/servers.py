@@ -1,0 +1,116 @@
+"""Start and stop real `vllm serve` processes (through our launcher) on 127.0.0.1.
+
+Used by the test fixtures and the demo. A server is always stopped by its PID
+(its whole process group: API server, engine core and workers)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Settings measured to work on a 2-core CPU machine (shared/notes/environment.md).
+TINY_SERVE_ARGS = [
+    "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
+    "--max-num-batched-tokens", "512", "--enforce-eager",
+    "--limit-mm-per-prompt", '{"image": 1}', "--kv-cache-memory-bytes", "64M",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str
+    log_path: pathlib.Path
+    pid: int
+    proc: subprocess.Popen
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def openai_url(self) -> str:
+        return self.base_url + "/v1"
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "INFO",
+    })
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(extra or {})
+    return env
+
+
+def _wait_healthy(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"vllm serve exited with {server.proc.returncode}; log tail:\n"
+                + server.log()[-4000:])
+        try:
+            with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"/health not ready in {timeout}s; log tail:\n" + server.log()[-4000:])
+
+
+def stop(server: Server) -> None:
+    """SIGTERM the server's process group, then SIGKILL whatever is left."""
+    if server.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def serve(model: str | os.PathLike, *args: str, env: dict[str, str] | None = None,
+          log_path: pathlib.Path | None = None, timeout: float = 240.0,
+          tiny_defaults: bool = True) -> Iterator[Server]:
+    """Run `vllm-mmretry serve MODEL ...` until the block exits."""
+    port = free_port()
+    if log_path is None:
+        log_dir = ROOT / ".cache" / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"serve-{port}-{int(time.time())}.log"
+    cmd = [sys.executable, "-m", "vllm_mmretry.cli", "serve", str(model),
+           "--host", "127.0.0.1", "--port", str(port),
+           *(TINY_SERVE_ARGS if tiny_defaults else []), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=server_env(env),
+                                start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", log_path, proc.pid, proc)
+    try:
+        _wait_healthy(server, timeout)
+        yield server
+    finally:
+        stop(server)
