@@ -4,6 +4,8 @@ their pieces live. Everything else asks this module instead of probing vLLM."""
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
+from typing import Any
 
 # vLLM versions whose output processor and serving code this package was built
 # and tested against. Anything else: the plugin logs one line and patches nothing.
@@ -32,3 +34,23 @@ def installed_vllm_version() -> str | None:
 
 def is_supported(version: str | None) -> bool:
     return version is not None and version in SUPPORTED_VLLM_VERSIONS
+
+
+def when_vllm_logging_ready(emit: Callable[[], None]) -> None:
+    """Run `emit` now if vLLM has configured its loggers, else right after it does.
+
+    In the API server, plugins load while the CLI is parsed, before
+    `configure_logging` runs; a line logged then would be dropped."""
+    import vllm.logger as vlog
+
+    if vlog._last_configured_logging_config is not None:
+        emit()
+        return
+    configure = vlog.configure_logging
+
+    def configure_then_emit(config: Any) -> None:
+        configure(config)
+        vlog.configure_logging = configure  # one-shot: put vLLM's function back
+        emit()
+
+    vlog.configure_logging = configure_then_emit

@@ -35,11 +35,12 @@ def _process_name() -> str:
         title = setproctitle.getproctitle()
     except ImportError:
         title = ""
-    if not title or title.startswith(("python", "/")):
+    first = title.split()[0] if title.split() else ""
+    if not first or "python" in first or first.startswith("/"):
         import multiprocessing
 
-        title = multiprocessing.current_process().name
-    return f"{title.split()[0] if title else '?'} pid={os.getpid()}"
+        first = multiprocessing.current_process().name
+    return f"{first} pid={os.getpid()}"
 
 
 def _vllm_logger() -> logging.Logger:
@@ -53,6 +54,13 @@ def _vllm_logger() -> logging.Logger:
         return logger
 
 
+def _emit(log_fn: Callable[..., None], msg: str, *args: object) -> None:
+    try:
+        compat.when_vllm_logging_ready(lambda: log_fn(msg, *args))
+    except ImportError:  # no vLLM at all
+        log_fn(msg, *args)
+
+
 def register() -> list[str]:
     """Patch vLLM for this process. Returns the labels of what was patched."""
     global _state
@@ -61,12 +69,18 @@ def register() -> list[str]:
     log = _vllm_logger()
     proc = _process_name()
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
-        log.info("vllm-mmretry disabled by %s=0 (%s); vLLM left unpatched", ENV_SWITCH, proc)
-        _state = []
+        # The test-only fault switch still applies, so tests can show what stock
+        # vLLM does with the same induced fault.
+        from vllm_mmretry import faults
+
+        _state = faults.install()
+        _emit(log.info, "vllm-mmretry disabled by %s=0 (%s); vLLM left unpatched%s",
+              ENV_SWITCH, proc, f" except {', '.join(_state)}" if _state else "")
         return _state
     version = compat.installed_vllm_version()
     if not compat.is_supported(version):
-        log.warning(
+        _emit(
+            log.warning,
             "vllm-mmretry supports vLLM %s, found %s (%s); vLLM left unpatched",
             ", ".join(sorted(compat.SUPPORTED_VLLM_VERSIONS)),
             version,
@@ -78,7 +92,8 @@ def register() -> list[str]:
     for _, install in _installers():
         patched.extend(install())
     _state = patched
-    log.info(
+    _emit(
+        log.info,
         "vllm-mmretry active for vLLM %s (%s): patched %s",
         version,
         proc,
