@@ -3,12 +3,15 @@
 
 use pyo3::prelude::*;
 
+pub mod detok;
+
 /// Version of the compiled core; the Python layer checks it matches its own.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", VERSION)?;
+    detok::py::register(m)?;
     Ok(())
 }
 
