@@ -54,3 +54,20 @@ def when_vllm_logging_ready(emit: Callable[[], None]) -> None:
         emit()
 
     vlog.configure_logging = configure_then_emit
+
+
+def lru_receiver_cache() -> tuple[type, type[Exception]]:
+    """The engine core's P1 receiver cache class for `lru` and the error it raises
+    on a miss (vLLM turns it into `EngineCoreOutput.mm_cache_miss_hashes`)."""
+    from vllm.multimodal.cache.base import MultiModalCacheMissError
+    from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
+
+    return LruKeyReplicatedReceiverCache, MultiModalCacheMissError
+
+
+def mm_cache_type_lookup() -> tuple[Any, str]:
+    """(module, function name) of the lookup every multimodal cache factory calls to
+    pick `lru` / `shm` / `processor_only` / None for this process's config."""
+    from vllm.multimodal.cache import factories
+
+    return factories, "_get_cache_type"
