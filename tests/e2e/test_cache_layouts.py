@@ -36,10 +36,20 @@ def _answers(server: servers.Server, model: str, rgb: tuple[int, int, int], time
     return out
 
 
+@pytest.fixture(scope="class")
+def two_api_servers(model: str) -> Iterator[servers.Server]:
+    yield from start_server(model, "--api-server-count", "2", env=FAULTS)
+
+
+@pytest.fixture(scope="class")
+def shm_server(model: str) -> Iterator[servers.Server]:
+    yield from start_server(model, "--mm-processor-cache-type", "shm", env=FAULTS)
+
+
 class TestTwoApiServers:
-    @pytest.fixture(scope="class")
-    def server(self, model: str) -> Iterator[servers.Server]:
-        yield from start_server(model, "--api-server-count", "2", env=FAULTS)
+    @pytest.fixture
+    def server(self, two_api_servers: servers.Server) -> servers.Server:
+        return two_api_servers
 
     def test_log_shows_no_receiver_cache(self, server: servers.Server) -> None:
         log = server.log()
@@ -56,14 +66,14 @@ class TestTwoApiServers:
         assert len(set(answers)) == 1 and answers[0]
         text = window.text()
         assert FAULT_DROP not in text and ENGINE_MISS not in text
-        served_by = set(re.findall(r"\((\w+) pid=\d+\)[^\n]*POST /v1/chat/completions", text))
-        print("chat requests answered by:", served_by or "(access log has no process tag)")
+        # (uvicorn's access log carries no process tag, so which of the two API
+        # servers took each connection is not observable; all of them succeeded.)
 
 
 class TestShmOneApiServer:
-    @pytest.fixture(scope="class")
-    def server(self, model: str) -> Iterator[servers.Server]:
-        yield from start_server(model, "--mm-processor-cache-type", "shm", env=FAULTS)
+    @pytest.fixture
+    def server(self, shm_server: servers.Server) -> servers.Server:
+        return shm_server
 
     def test_log_shows_shm_receiver(self, server: servers.Server) -> None:
         assert "mm processor cache type 'shm'" in server.log()
