@@ -58,9 +58,9 @@ enum Mode {
 
 struct Queue {
     obj: Py<PyAny>,
-    /// `ready` event when `obj` is exactly vLLM's RequestOutputCollector (its
-    /// `put` is then inlined here), else None and we call `obj.put`.
-    ready: Option<Py<PyAny>>,
+    /// `obj` is exactly vLLM's RequestOutputCollector: its `put` is inlined
+    /// here; otherwise we call `obj.put`.
+    exact: bool,
     aggregate: bool,
 }
 
@@ -153,17 +153,23 @@ fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
 impl OutputCore {
     fn put<'py>(&self, py: Python<'py>, q: &Queue, out: &Bound<'py, PyAny>) -> PyResult<()> {
         let obj = q.obj.bind(py);
-        let Some(ready) = &q.ready else {
+        if !q.exact {
             obj.call_method1(s!(py, "put"), (out,))?;
             return Ok(());
-        };
+        }
         // RequestOutputCollector.put, inlined for the RequestOutput case.
         let cur = obj.getattr(s!(py, "output"))?;
         if cur.is_none() {
             obj.setattr(s!(py, "output"), out)?;
-            ready.bind(py).call_method0(s!(py, "set"))?;
+            obj.getattr(s!(py, "ready"))?.call_method0(s!(py, "set"))?;
         } else if cur.is_instance(self.cls.request_output.bind(py))? {
             cur.call_method1(s!(py, "add"), (out, q.aggregate))?;
+            // The merged output keeps a terminal error even where RequestOutput.add
+            // is not patched (install() patches it for other callers).
+            let err = out.getattr(s!(py, "error"))?;
+            if !err.is_none() {
+                cur.setattr(s!(py, "error"), err)?;
+            }
         }
         Ok(())
     }
@@ -751,7 +757,7 @@ impl OutputCore {
                 let exact = q.get_type().is(self.cls.collector.bind(py));
                 Some(Queue {
                     obj: q.clone().unbind(),
-                    ready: if exact { Some(q.getattr("ready")?.unbind()) } else { None },
+                    exact,
                     aggregate: if exact { q.getattr("aggregate")?.extract()? } else { false },
                 })
             }
