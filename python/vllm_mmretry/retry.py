@@ -1,7 +1,289 @@
-"""(in progress)"""
+"""One pre-output retry in the API server's endpoints.
+
+A P1 multimodal cache miss ends a request before it produced anything, with a
+structured, retryable `error` on its terminal output. `/v1/chat/completions`,
+`/v1/completions` (streaming or not) and the ordinary pooling path behind
+`/v1/embeddings` and `/v2/embed` keep the source request; when a request ends like
+that before any part of its answer reached the client, the endpoint re-renders the
+retained request (`skip_mm_cache=True` after a cache miss, so the image data travels
+again) and submits it once more. A second failure is vLLM's RetryableRequestError:
+HTTP 503 with `Retry-After` and `x-should-retry: true`, or an error event in a stream.
+
+Nothing is raised below the endpoints: every other consumer of the engine
+(Responses, batch, beam search, ...) still receives the terminal output and applies
+its own policy. The generation endpoints mark their calls with a context variable;
+`generate()` only wraps its stream for calls made under that mark."""
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mmretry import _patching, compat
+
+MM_CACHE_MISS = "multimodal_cache_miss"
+# Headers on the final 503 so stock OpenAI clients retry on their own.
+RETRY_HEADERS = {"Retry-After": "1", "x-should-retry": "true"}
+
+_logger: Any = None
+
+
+def _log() -> Any:
+    global _logger
+    if _logger is None:
+        from vllm.logger import init_logger
+
+        _logger = init_logger("vllm.vllm_mmretry.retry")
+    return _logger
+
+
+def retryable_error(output: Any) -> Any:
+    """The structured error of a terminal output that may be retried, else None."""
+    error = getattr(output, "error", None)
+    if error is not None and getattr(error, "retryable", False) and output.finished:
+        return error
+    return None
+
+
+def _log_retry(request_id: str, endpoint: str, error: Any, skip_mm_cache: bool) -> None:
+    _log().warning(
+        "vllm-mmretry: retrying request %s (endpoint %s, error %s, attempt 2 of 2, "
+        "skip_mm_cache=%s)", request_id, endpoint, error.code, skip_mm_cache)
+
+
+def _log_final(request_id: str, endpoint: str, error: Any) -> None:
+    _log().warning(
+        "vllm-mmretry: request %s failed again after its retry (endpoint %s, error %s, "
+        "attempt 2 of 2); answering 503", request_id, endpoint, error.code)
+
+
+@dataclass
+class _EndpointCall:
+    """One call of a generation endpoint: how to re-render its retained request,
+    and its single retry shared by all of its prompts."""
+
+    endpoint: str
+    rerender: Callable[[bool], Awaitable[list[Any]]]  # skip_mm_cache -> engine inputs
+    stream: bool
+    retried: bool = False
+    delivered: bool = False  # some output went on towards the client
+    submitted: int = 0  # generate() calls so far = index of the next prompt
+
+
+_CALL: contextvars.ContextVar[_EndpointCall | None] = contextvars.ContextVar(
+    "vllm_mmretry_endpoint_call", default=None)
+
+
+async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any],
+                   args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> AsyncGenerator[Any, None]:
+    """The engine stream of prompt `index`, retried once if it ends in a retryable
+    error before anything of the endpoint's answer went out."""
+    request_id = args[2] if len(args) > 2 else kwargs.get("request_id")
+    gen = generate(*args, **kwargs)
+    try:
+        first = await anext(gen, None)
+        error = retryable_error(first) if first is not None else None
+        if error is not None and not call.delivered:
+            if call.retried:  # the endpoint's one retry went to another prompt
+                _log_final(request_id, call.endpoint, error)
+                raise compat.retryable_request_error()(error.message)
+            call.retried = True
+            await gen.aclose()
+            skip = error.code == MM_CACHE_MISS
+            _log_retry(request_id, call.endpoint, error, skip)
+            prompt = (await call.rerender(skip))[index]
+            args, kwargs = _with_prompt(args, kwargs, prompt)
+            gen = generate(*args, **kwargs)
+            first = await anext(gen, None)
+            error = retryable_error(first) if first is not None else None
+            if error is not None:
+                _log_final(request_id, call.endpoint, error)
+                raise compat.retryable_request_error()(error.message)
+        if first is None:
+            return
+        call.delivered = call.delivered or call.stream
+        yield first
+        async for out in gen:
+            yield out
+    finally:
+        await gen.aclose()
+
+
+def _with_prompt(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 prompt: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (prompt, *args[1:]), kwargs
+    return args, {**kwargs, "prompt": prompt}
+
+
+def _wrap_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _CALL.get()
+        if call is None:
+            return original(self, *args, **kwargs)
+        index = call.submitted
+        call.submitted += 1
+        return _guarded(call, index, functools.partial(original, self), args, kwargs)
+
+    return generate
+
+
+def _endpoint(raw_request: Any, default: str) -> str:
+    # Other routes reuse these serving methods (e.g. /v1/messages, /v2/chat).
+    url = getattr(raw_request, "url", None)
+    return getattr(url, "path", None) or default
+
+
+def _copy(request: Any) -> Any:
+    # Rendering may adjust the request (tool parsers, Mistral); keep the source.
+    return request.model_copy(deep=True)
+
+
+def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
+                   render: Callable[[Any, Any, bool], Awaitable[list[Any]]]
+                   ) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def entry(self: Any, request: Any, raw_request: Any = None) -> Any:
+        if getattr(request, "use_beam_search", False):
+            return await original(self, request, raw_request)  # beam search: stock
+        source = _copy(request)
+
+        def rerender(skip_mm_cache: bool) -> Awaitable[list[Any]]:
+            return render(self, _copy(source), skip_mm_cache)
+
+        call = _EndpointCall(_endpoint(raw_request, endpoint), rerender, bool(request.stream))
+        token = _CALL.set(call)
+        try:
+            return await original(self, request, raw_request)
+        finally:
+            _CALL.reset(token)
+
+    return entry
+
+
+class _ErrorTap:
+    """Passes the pooling result stream through, remembering retryable errors."""
+
+    def __init__(self, results: AsyncIterator[tuple[int, Any]]) -> None:
+        self.results = results
+        self.errors: list[Any] = []
+
+    async def __call__(self) -> AsyncGenerator[tuple[int, Any], None]:
+        try:
+            async for i, res in self.results:
+                if (error := retryable_error(res)) is not None:
+                    self.errors.append(error)
+                yield i, res
+        finally:
+            await self.results.aclose()  # type: ignore[attr-defined]
+
+
+def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
+    retryable = compat.retryable_request_error()
+
+    @functools.wraps(original)
+    async def pooling_call(self: Any, request: Any, raw_request: Any = None) -> Any:
+        source = _copy(request)
+        attempt = await compat.pooling_submit(self, request, raw_request)
+        taps: list[_ErrorTap] = []
+
+        def tap(results: Any) -> Any:
+            taps.append(_ErrorTap(results))
+            return taps[-1]()
+
+        compat.wrap_pooling_results(attempt, tap)
+        try:
+            return await compat.pooling_finish(self, attempt)
+        except retryable:
+            if not taps[0].errors:
+                raise  # not an engine result we saw: leave it alone
+            error = taps[0].errors[0]
+        await compat.pooling_close(attempt)
+        request_id = compat.pooling_request_id(attempt)
+        skip = any(e.code == MM_CACHE_MISS for e in taps[0].errors)
+        where = _endpoint(raw_request, type(self).__name__)
+        _log_retry(request_id, where, error, skip)
+        attempt = await compat.pooling_submit(self, source, raw_request, skip_mm_cache=skip,
+                                              request_id=request_id)
+        compat.wrap_pooling_results(attempt, tap)
+        try:
+            return await compat.pooling_finish(self, attempt)
+        except retryable:
+            errors = taps[-1].errors
+            _log_final(request_id, where, errors[0] if errors else error)
+            raise
+
+    return pooling_call
+
+
+def _wrap_error_handler(original: Callable[..., Any]) -> Callable[..., Any]:
+    retryable = compat.retryable_request_error()
+
+    @functools.wraps(original)
+    async def generation_error_handler(req: Any, exc: Exception) -> Any:
+        response = await original(req, exc)
+        if isinstance(exc, retryable):
+            response.headers.update(RETRY_HEADERS)
+        return response
+
+    return generation_error_handler
+
+
+def _vllm_error_in(exc: BaseException) -> BaseException | None:
+    """The vLLM error `exc` was raised while handling, if the chain still says so."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, compat.vllm_error()):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _wrap_responses_sse(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def sse_events(generator: Any) -> AsyncGenerator[str, None]:
+        sent = 0
+        try:
+            async for chunk in original(generator):
+                sent += 1
+                yield chunk
+        except Exception as exc:  # end the stream with an error event, not a cut
+            # 0.32 loses the GenerationError here (its error event fails validation
+            # in pydantic-core, which drops the context): answer as vLLM would, 500.
+            cause = _vllm_error_in(exc)
+            body = compat.error_body(cause or compat.generation_error()())
+            _log().warning("vllm-mmretry: Responses stream failed (%s); ending it with an "
+                           "error event", type(exc).__name__)
+            event = {"type": "error", "code": str(body["error"]["code"]),
+                     "message": body["error"]["message"], "param": None,
+                     "sequence_number": sent, **body}
+            yield f"event: error\ndata: {json.dumps(event)}\n\n"
+
+    return sse_events
+
 
 def install() -> list[str]:
-    return []
+    s = compat.retry_seams()
+    orig = _patching.original
+    sse_module, sse_name = compat.responses_sse_writer()
+    return [
+        _patching.patch_attr(s.engine_client, s.generate,
+                             _wrap_generate(orig(s.engine_client, s.generate))),
+        _patching.patch_attr(s.chat_serving, s.chat_entry, _wrap_endpoint(
+            orig(s.chat_serving, s.chat_entry), "/v1/chat/completions", compat.render_chat)),
+        _patching.patch_attr(s.completion_serving, s.completion_entry, _wrap_endpoint(
+            orig(s.completion_serving, s.completion_entry), "/v1/completions",
+            compat.render_completion)),
+        _patching.patch_attr(s.pooling_serving, s.pooling_entry, _wrap_pooling(
+            orig(s.pooling_serving, s.pooling_entry))),
+        _patching.patch_attr(s.error_handlers, s.error_handler,
+                             _wrap_error_handler(orig(s.error_handlers, s.error_handler))),
+        _patching.patch_attr(sse_module, sse_name,
+                             _wrap_responses_sse(orig(sse_module, sse_name))),
+    ]

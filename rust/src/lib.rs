@@ -3,7 +3,10 @@
 
 use pyo3::prelude::*;
 
+pub mod core;
 pub mod detok;
+pub mod eco;
+pub mod table;
 
 /// Version of the compiled core; the Python layer checks it matches its own.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -11,6 +14,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", VERSION)?;
+    m.add_class::<core::OutputCore>()?;
     detok::py::register(m)?;
     Ok(())
 }

@@ -1,0 +1,137 @@
+"""Stock vLLM OutputProcessor vs vllm_mmretry.OutputProcessor on the same
+synthetic decode streams, in one run.
+
+Every request gets one new token per step, DELTA streaming, detokenization on,
+AsyncLLM mode (one RequestOutputCollector per request, drained every step).
+Variants: plain decode, two stop strings, n=4 (batch counts child requests).
+Prints a table and one JSON line per row (µs per request-step, medians), then
+the RSS of this process after 1M request-steps through our processor.
+
+Usage: python benches/bench_output_loop.py [--quick] [--tokenizer DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from vllm.tokenizers import get_tokenizer  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest  # noqa: E402
+from vllm.v1.engine.output_processor import OutputProcessor as StockOP  # noqa: E402
+from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
+from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
+
+from vllm_mmretry.output_processor import OutputProcessor as OurOP  # noqa: E402
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Multimodal serving engines keep a "
+        "processor cache on both sides of the process boundary; when they drift, requests "
+        "fail unless the front end retries them with the data attached. ") * 40
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {"stop": None, "n": 1},
+    "stop2": {"stop": ["zebra", "\n\n"], "n": 1},
+    "n4": {"stop": None, "n": 4},
+}
+
+
+def _setup(cls: type, tok: Any, ids: list[int], batch: int, stop: list[str] | None, n: int) -> tuple[Any, list, list[str]]:
+    op = cls(tok, log_stats=False)
+    collectors: list[RequestOutputCollector] = []
+    child_ids: list[str] = []
+    for p in range(batch // n):
+        sp = SamplingParams(max_tokens=1 << 20, output_kind=RequestOutputKind.DELTA, stop=stop, n=n)
+        rid = f"r{p}"
+        req = EngineCoreRequest(request_id=rid, prompt_token_ids=ids[:16], mm_features=None,
+                                sampling_params=sp, pooling_params=None, arrival_time=time.time(),
+                                lora_request=None, cache_salt=None, data_parallel_rank=None,
+                                external_req_id=rid)
+        q = RequestOutputCollector(RequestOutputKind.DELTA, rid)
+        collectors.append(q)
+        if n == 1:
+            op.add_request(req, None, None, 0, q)
+            child_ids.append(rid)
+            continue
+        parent = ParentRequest(req)
+        for idx in range(n):
+            cid, csp = parent.get_child_info(idx)
+            child = EngineCoreRequest(request_id=cid, prompt_token_ids=ids[:16], mm_features=None,
+                                      sampling_params=csp, pooling_params=None,
+                                      arrival_time=req.arrival_time, lora_request=None,
+                                      cache_salt=None, data_parallel_rank=None, external_req_id=rid)
+            op.add_request(child, None, parent, idx, q)
+            child_ids.append(cid)
+    return op, collectors, child_ids
+
+
+def run(cls: type, tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1) -> float:
+    """Median seconds per process_outputs call (after warm-up)."""
+    op, collectors, child_ids = _setup(cls, tok, ids, batch, stop, n)
+    rng = random.Random(0)
+    offs = [rng.randrange(len(ids)) for _ in child_ids]
+    times = []
+    for s in range(steps):
+        outs = [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(offs[i] + s) % len(ids)]])
+                for i, cid in enumerate(child_ids)]
+        t0 = time.perf_counter()
+        op.process_outputs(outs)
+        times.append(time.perf_counter() - t0)
+        for q in collectors:
+            q.get_nowait()
+    return statistics.median(times[5:])
+
+
+def rss_after(tok: Any, ids: list[int], request_steps: int, batch: int = 1024) -> float:
+    op, collectors, child_ids = _setup(OurOP, tok, ids, batch, None, 1)
+    for s in range(request_steps // batch):
+        outs = [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(i + s) % len(ids)]])
+                for i, cid in enumerate(child_ids)]
+        op.process_outputs(outs)
+        for q in collectors:
+            q.get_nowait()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer batches/steps (smoke run)")
+    args = ap.parse_args()
+    if args.tokenizer is None:
+        from tiny_model import ensure_tiny_model
+
+        args.tokenizer = str(ensure_tiny_model())
+    tok = get_tokenizer(args.tokenizer)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    batches = (64, 1024) if args.quick else (64, 256, 1024, 4096)
+    print(f"{'variant':8s} {'batch':>6s} {'stock_us':>9s} {'ours_us':>9s} {'ratio':>6s}")
+    rows = []
+    for variant, cfg in VARIANTS.items():
+        for b in batches:
+            if variant != "plain" and b not in (256, 1024) and not args.quick:
+                continue
+            steps = 12 if args.quick else (60 if b < 4096 else 25)
+            stock = run(StockOP, tok, ids, b, steps, **cfg)
+            ours = run(OurOP, tok, ids, b, steps, **cfg)
+            row = {"variant": variant, "batch": b, "stock_us": round(stock * 1e6 / b, 3),
+                   "ours_us": round(ours * 1e6 / b, 3), "ratio": round(stock / ours, 2)}
+            rows.append(row)
+            print(f"{variant:8s} {b:6d} {row['stock_us']:9.2f} {row['ours_us']:9.2f} {row['ratio']:6.2f}")
+    for row in rows:
+        print(json.dumps(row))
+    total = 100_000 if args.quick else 1_000_000
+    rss = rss_after(tok, ids, total)
+    print(json.dumps({"rss_mib_after_request_steps": round(rss, 1), "request_steps": total}))
+
+
+if __name__ == "__main__":
+    main()

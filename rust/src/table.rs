@@ -1,0 +1,288 @@
+//! Pure-Rust bookkeeping for the output loop: the request table (internal id ->
+//! state, external id -> internal ids) and the per-step set of multimodal hashes
+//! to invalidate. No Python here, so it is unit-tested with plain `cargo test`.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// FxHash (rustc's hasher): request ids are short, trusted strings, and SipHash
+/// would be a visible part of the per-output cost.
+#[derive(Default, Clone, Copy)]
+pub struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0xf135_7aea_2e62_a9c5;
+        let mut h = self.0;
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let v = u64::from_le_bytes(c.try_into().unwrap());
+            h = (h.rotate_left(5) ^ v).wrapping_mul(K);
+        }
+        for &b in chunks.remainder() {
+            h = (h.rotate_left(5) ^ b as u64).wrapping_mul(K);
+        }
+        self.0 = h;
+    }
+    #[inline]
+    fn write_u8(&mut self, i: u8) {
+        self.write(&[i]);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub type FxBuild = BuildHasherDefault<FxHasher>;
+pub type FxMap<K, V> = HashMap<K, V, FxBuild>;
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum TableError {
+    Duplicate(String),
+}
+
+impl std::fmt::Display for TableError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TableError::Duplicate(id) => write!(f, "request {id:?} is already tracked"),
+        }
+    }
+}
+
+struct Entry<T> {
+    external: String,
+    value: T,
+}
+
+/// Internal id -> state, in slots so the hot loop indexes a Vec; plus the
+/// external -> [internal...] map (insertion ordered, as vLLM keeps it).
+pub struct Table<T> {
+    by_id: FxMap<String, usize>,
+    slots: Vec<Option<Entry<T>>>,
+    free: Vec<usize>,
+    external: FxMap<String, Vec<String>>,
+}
+
+impl<T> Default for Table<T> {
+    fn default() -> Self {
+        Self { by_id: FxMap::default(), slots: Vec::new(), free: Vec::new(), external: FxMap::default() }
+    }
+}
+
+impl<T> Table<T> {
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+    pub fn contains(&self, id: &str) -> bool {
+        self.by_id.contains_key(id)
+    }
+    pub fn slot_of(&self, id: &str) -> Option<usize> {
+        self.by_id.get(id).copied()
+    }
+    pub fn get(&self, slot: usize) -> Option<&T> {
+        self.slots.get(slot)?.as_ref().map(|e| &e.value)
+    }
+    pub fn get_mut(&mut self, slot: usize) -> Option<&mut T> {
+        self.slots.get_mut(slot)?.as_mut().map(|e| &mut e.value)
+    }
+    pub fn by_id(&self, id: &str) -> Option<&T> {
+        self.get(self.slot_of(id)?)
+    }
+    pub fn ids(&self) -> impl Iterator<Item = &String> {
+        self.by_id.keys()
+    }
+    pub fn values(&self) -> impl Iterator<Item = &T> {
+        self.slots.iter().filter_map(|e| e.as_ref().map(|e| &e.value))
+    }
+    pub fn external_ids(&self, external: &str) -> Option<&Vec<String>> {
+        self.external.get(external)
+    }
+
+    pub fn insert(&mut self, id: &str, external: &str, value: T) -> Result<usize, TableError> {
+        if self.by_id.contains_key(id) {
+            return Err(TableError::Duplicate(id.to_owned()));
+        }
+        let entry = Entry { external: external.to_owned(), value };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s] = Some(entry);
+                s
+            }
+            None => {
+                self.slots.push(Some(entry));
+                self.slots.len() - 1
+            }
+        };
+        self.by_id.insert(id.to_owned(), slot);
+        self.external.entry(external.to_owned()).or_default().push(id.to_owned());
+        Ok(slot)
+    }
+
+    fn unlink_external(&mut self, external: &str, id: &str) {
+        if let Some(ids) = self.external.get_mut(external) {
+            if let Some(pos) = ids.iter().position(|x| x == id) {
+                ids.remove(pos);
+            }
+            if ids.is_empty() {
+                self.external.remove(external);
+            }
+        }
+    }
+
+    /// A request finished: drop it from both maps.
+    pub fn remove(&mut self, id: &str) -> Option<T> {
+        let slot = self.by_id.remove(id)?;
+        let entry = self.slots[slot].take().expect("slot of a live id");
+        self.free.push(slot);
+        self.unlink_external(&entry.external, id);
+        Some(entry.value)
+    }
+
+    /// Drop only the state (the external mapping was already consumed by an abort).
+    fn take_state(&mut self, id: &str) -> Option<T> {
+        let slot = self.by_id.remove(id)?;
+        let entry = self.slots[slot].take().expect("slot of a live id");
+        self.free.push(slot);
+        Some(entry.value)
+    }
+
+    /// Step 1 of vLLM's `abort_requests`: turn the given ids into internal ids,
+    /// consuming the external mapping. Internal ids that are not live requests
+    /// are kept (they may name an n>1 parent).
+    pub fn resolve_abort(&mut self, ids: &[String], internal: bool) -> Vec<String> {
+        let mut out = Vec::new();
+        for id in ids {
+            if internal {
+                if let Some(slot) = self.by_id.get(id) {
+                    let ext = self.slots[*slot].as_ref().unwrap().external.clone();
+                    self.unlink_external(&ext, id);
+                }
+                out.push(id.clone());
+            } else if let Some(internals) = self.external.remove(id) {
+                out.extend(internals);
+            }
+        }
+        out
+    }
+
+    /// Step 2 of `abort_requests`: pop the state of one resolved internal id.
+    pub fn pop_aborted(&mut self, id: &str) -> Option<T> {
+        self.take_state(id)
+    }
+}
+
+/// The multimodal hashes missing in P1 during one step, in first-seen order,
+/// each once: every one is invalidated in P0's sender cache exactly once.
+#[derive(Default)]
+pub struct MissSet {
+    order: Vec<String>,
+    seen: HashSet<String, FxBuild>,
+}
+
+impl MissSet {
+    pub fn add(&mut self, hash: &str) -> bool {
+        if self.seen.contains(hash) {
+            return false;
+        }
+        self.seen.insert(hash.to_owned());
+        self.order.push(hash.to_owned());
+        true
+    }
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+    pub fn hashes(&self) -> &[String] {
+        &self.order
+    }
+    pub fn clear(&mut self) {
+        self.order.clear();
+        self.seen.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> Table<u32> {
+        let mut t = Table::default();
+        t.insert("a", "X", 1).unwrap();
+        t.insert("b", "X", 2).unwrap();
+        t.insert("c", "Y", 3).unwrap();
+        t
+    }
+
+    #[test]
+    fn double_add_is_an_error_and_keeps_the_first() {
+        let mut t = table();
+        assert_eq!(t.insert("a", "Z", 9), Err(TableError::Duplicate("a".into())));
+        assert_eq!(t.by_id("a"), Some(&1));
+        assert_eq!(t.external_ids("Z"), None);
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn remove_unlinks_external_and_reuses_slots() {
+        let mut t = table();
+        let slot_a = t.slot_of("a").unwrap();
+        assert_eq!(t.remove("a"), Some(1));
+        assert_eq!(t.external_ids("X").unwrap(), &vec!["b".to_string()]);
+        assert_eq!(t.remove("b"), Some(2));
+        assert!(t.external_ids("X").is_none());
+        assert_eq!(t.remove("b"), None);
+        let s = t.insert("d", "Z", 4).unwrap();
+        assert!(s == slot_a || t.slot_of("d").is_some());
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn abort_by_external_takes_every_internal_id_in_order() {
+        let mut t = table();
+        let ids = t.resolve_abort(&["X".into(), "nope".into()], false);
+        assert_eq!(ids, vec!["a".to_string(), "b".to_string()]);
+        assert!(t.external_ids("X").is_none());
+        assert_eq!(t.pop_aborted("a"), Some(1));
+        assert_eq!(t.pop_aborted("b"), Some(2));
+        assert_eq!(t.pop_aborted("a"), None);
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn abort_by_internal_keeps_unknown_ids_for_parent_lookup() {
+        let mut t = table();
+        let ids = t.resolve_abort(&["b".into(), "parent-1".into()], true);
+        assert_eq!(ids, vec!["b".to_string(), "parent-1".to_string()]);
+        assert_eq!(t.external_ids("X").unwrap(), &vec!["a".to_string()]);
+        assert_eq!(t.pop_aborted("b"), Some(2));
+        assert_eq!(t.pop_aborted("parent-1"), None);
+        // The sibling under the same external id is untouched.
+        assert_eq!(t.by_id("a"), Some(&1));
+    }
+
+    #[test]
+    fn miss_set_is_ordered_and_deduplicated() {
+        let mut m = MissSet::default();
+        assert!(m.is_empty());
+        assert!(m.add("h2"));
+        assert!(m.add("h1"));
+        assert!(!m.add("h2"));
+        assert!(m.add("h3"));
+        assert_eq!(m.hashes(), &["h2", "h1", "h3"]);
+        m.clear();
+        assert!(m.is_empty());
+        assert!(m.add("h1"));
+    }
+
+    #[test]
+    fn fx_hasher_distinguishes_ids() {
+        use std::hash::BuildHasher;
+        let b = FxBuild::default();
+        assert_ne!(b.hash_one("0_req"), b.hash_one("1_req"));
+        assert_eq!(b.hash_one("req-12345678"), b.hash_one("req-12345678"));
+    }
+}

@@ -1,0 +1,166 @@
+"""Helpers shared by the output-processor tests: build real vLLM requests and
+engine outputs, register them the way AsyncLLM / LLMEngine do, and normalise
+outputs for comparison."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine.output_processor import RequestOutputCollector
+from vllm.v1.engine.parallel_sampling import ParentRequest
+from vllm.v1.outputs import LogprobsLists
+
+
+@dataclass
+class ReqSpec:
+    request_id: str
+    external_id: str
+    prompt_ids: list[int]
+    n: int = 1
+    kind: RequestOutputKind = RequestOutputKind.DELTA
+    stop: list[str] | None = None
+    include_stop: bool = False
+    stream_interval: int | None = None
+    logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, max_tokens=1000, output_kind=self.kind, stop=self.stop if self.detokenize else None,
+            include_stop_str_in_output=self.include_stop, stream_interval=self.stream_interval,
+            logprobs=self.logprobs, min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens, detokenize=self.detokenize,
+        )
+
+
+def engine_request(spec: ReqSpec, arrival: float = 1000.0) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=spec.request_id, prompt_token_ids=list(spec.prompt_ids), mm_features=None,
+        sampling_params=spec.sampling_params(), pooling_params=None, arrival_time=arrival,
+        lora_request=None, cache_salt=None, data_parallel_rank=None,
+        external_req_id=spec.external_id,
+    )
+
+
+@dataclass
+class Side:
+    """One output processor plus its collectors (AsyncLLM mode) or returned
+    lists (LLMEngine mode)."""
+
+    op: Any
+    async_mode: bool
+    collectors: dict[str, RequestOutputCollector] = field(default_factory=dict)
+    children: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, spec: ReqSpec, prompt: str | None = "prompt text") -> list[str]:
+        """Register like AsyncLLM.add_request / LLMEngine.add_request; returns
+        the internal ids the engine core would run."""
+        req = engine_request(spec)
+        q = RequestOutputCollector(spec.kind, spec.request_id) if self.async_mode else None
+        if q is not None:
+            self.collectors[spec.request_id] = q
+        if spec.n == 1:
+            self.op.add_request(req, prompt, None, 0, q)
+            self.children[spec.request_id] = [spec.request_id]
+            return [spec.request_id]
+        parent = ParentRequest(req)
+        ids = []
+        for idx in range(spec.n):
+            cid, csp = parent.get_child_info(idx)
+            child = req if idx == spec.n - 1 else copy.copy(req)
+            child.request_id = cid
+            child.sampling_params = csp
+            self.op.add_request(child, prompt, parent, idx, q)
+            ids.append(cid)
+        self.children[spec.request_id] = ids
+        return ids
+
+    def step(self, ecos: list[EngineCoreOutput], ts: float = 2000.0, stats: Any = None,
+             weight_version: str | None = "default") -> tuple[list, list[str]]:
+        res = self.op.process_outputs(ecos, ts, stats, weight_version=weight_version)
+        return res.request_outputs, list(res.reqs_to_abort)
+
+    def drain(self) -> dict[str, Any]:
+        out = {}
+        for rid, q in self.collectors.items():
+            o = q.get_nowait()
+            if o is not None:
+                out[rid] = o
+        return out
+
+
+def eco(rid: str, tokens: list[int], finish: FinishReason | None = None, stop_reason: Any = None,
+        logprobs: int | None = None, **kw: Any) -> EngineCoreOutput:
+    lp = None
+    if logprobs is not None and tokens:
+        k = logprobs + 1
+        ids = np.array([[t] + [(t + j) % 32000 for j in range(1, k)] for t in tokens], dtype=np.int64)
+        vals = np.array([[-0.5 * (j + 1) - 0.01 * (t % 7) for j in range(k)] for t in tokens], dtype=np.float32)
+        ranks = np.array([1 + t % 3 for t in tokens], dtype=np.int64)
+        lp = LogprobsLists(ids, vals, ranks, None)
+    return EngineCoreOutput(request_id=rid, new_token_ids=list(tokens), finish_reason=finish,
+                            stop_reason=stop_reason, new_logprobs=lp, **kw)
+
+
+def norm_logprobs(lps: Any) -> Any:
+    if lps is None:
+        return None
+    return [
+        {tid: (round(float(lp.logprob), 5), lp.rank, lp.decoded_token) for tid, lp in pos.items()}
+        for pos in lps
+    ]
+
+
+def norm(o: Any) -> Any:
+    """Every RequestOutput/CompletionOutput field, in comparable form."""
+    if not isinstance(o, RequestOutput):
+        return ("other", type(o).__name__, repr(o))
+    err = getattr(o, "error", None)
+    return (
+        o.request_id, o.prompt, list(o.prompt_token_ids or []), o.prompt_logprobs,
+        o.prompt_token_id_logprobs, o.finished, o.lora_request, o.encoder_prompt,
+        o.encoder_prompt_token_ids, o.num_cached_tokens, o.num_cache_creation_tokens,
+        o.kv_transfer_params, o.ec_transfer_params,
+        None if o.metrics is None else _norm_stats(o.metrics),
+        None if err is None else (err.code, err.retryable),
+        [
+            (c.index, c.text, list(c.token_ids), c.cumulative_logprob, norm_logprobs(c.logprobs),
+             c.routed_experts, c.finish_reason, c.stop_reason, c.lora_request, c.sampling_mask,
+             c.spec_decode_metrics, c.weight_versions)
+            for c in o.outputs
+        ],
+    )
+
+
+def _norm_stats(s: Any) -> Any:
+    return tuple(sorted((k, v) for k, v in vars(s).items()))
+
+
+def norm_iteration_stats(st: Any) -> Any:
+    if st is None:
+        return None
+    d = dict(vars(st))
+    d.pop("iteration_timestamp", None)
+    d["prompt_token_stats"] = vars(d["prompt_token_stats"])
+    return repr(sorted(d.items()))
+
+
+def new_iteration_stats() -> Any:
+    from vllm.v1.metrics.stats import IterationStats
+
+    st = IterationStats()
+    st.iteration_timestamp = 3000.0
+    return st
+
+
+def now() -> float:
+    return time.monotonic()

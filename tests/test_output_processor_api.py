@@ -1,0 +1,101 @@
+"""The drop-in surface: bad input gives clear Python exceptions, fallback counters,
+RequestOutput.error compatibility, and install() wiring AsyncLLM/LLMEngine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from output_processor_support import ReqSpec, Side, eco, engine_request
+from vllm.outputs import CompletionOutput, RequestError, RequestOutput
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+from vllm_mmretry import _core, _patching
+from vllm_mmretry import output_processor as opm
+from vllm_mmretry.output_processor import OutputProcessor
+
+
+@pytest.fixture
+def op(tiny_tokenizer: Any) -> OutputProcessor:
+    return OutputProcessor(tiny_tokenizer, log_stats=False)
+
+
+def test_bad_input_is_a_python_exception(op: OutputProcessor) -> None:
+    with pytest.raises(TypeError, match="EngineCoreRequest"):
+        op.add_request("not a request", None)  # type: ignore[arg-type]
+    op.add_request(engine_request(ReqSpec("r", "r", [1])), None)
+    with pytest.raises(ValueError, match="already tracked"):
+        op.add_request(engine_request(ReqSpec("r", "r", [1])), None)
+    with pytest.raises(TypeError):
+        op.abort_requests("r", internal=True)  # a str is not a list of ids
+    with pytest.raises(TypeError):
+        op.abort_requests([1, 2], internal=True)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        op.process_outputs(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request_id"):
+        op.process_outputs([EngineCoreOutput(request_id=7, new_token_ids=[1])])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        op.process_outputs([EngineCoreOutput(request_id="r", new_token_ids=[1], finish_reason="done")])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mm_cache_miss_hashes"):
+        op.process_outputs([EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason=FinishReason.ERROR, mm_cache_miss_hashes=[3])])  # type: ignore[list-item]
+    # Unknown ids are ignored, as in stock vLLM.
+    assert op.abort_requests(["nope"], internal=False) == []
+    assert op.process_outputs([EngineCoreOutput(request_id="nope", new_token_ids=[1])]).request_outputs == []
+    assert op.has_request("r")
+
+
+def test_core_rejects_bad_construction_and_ids() -> None:
+    with pytest.raises(ValueError):
+        _core.OutputCore((), (), None)
+    with pytest.raises(TypeError):
+        _core.OutputCore((1, 2, 3, 4, 5, 6), (len,) * 4, None)
+    core = OutputProcessor(None, log_stats=False)._core
+    for call in (lambda: core.state("x"), lambda: core.is_fast("x"), lambda: core.finish_request("x")):
+        with pytest.raises(KeyError):
+            call()
+
+
+def test_fast_reads_and_fallback_counters(op: OutputProcessor) -> None:
+    assert op._core.fast_field_reads  # EngineCoreOutput fields read by offset
+    side = Side(op, True)
+    side.add(ReqSpec("plain", "plain", [1]))
+    side.add(ReqSpec("lp", "lp", [1], logprobs=1))
+    assert op._core.is_fast("plain") and not op._core.is_fast("lp")
+    side.step([eco("plain", [272]), eco("lp", [272], logprobs=1)])
+    c = op.counters()
+    assert c["fast_steps"] == 1 and c["fallback_steps"] == 1
+    assert c["fallbacks"] == {"logprobs": 1}
+    assert set(op.request_states) == {"plain", "lp"}
+
+
+def test_request_output_error_field() -> None:
+    opm.ensure_request_output_error()
+    c = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+    o = RequestOutput(request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[c], finished=False)
+    assert o.error is None
+    err = RequestError(code="multimodal_cache_miss", message="m", retryable=True)
+    o2 = RequestOutput.__new__(RequestOutput)
+    opm._ro_init(o2, request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
+                 outputs=[CompletionOutput(index=0, text="a", token_ids=[5], cumulative_logprob=None, logprobs=None, finish_reason="error")],
+                 finished=True, error=err)
+    opm._ro_add(o, o2, aggregate=True)
+    assert o.error is err and o.finished and o.outputs[0].text == "a"
+
+
+def test_install_patches_both_engines() -> None:
+    from vllm.v1.engine import async_llm, llm_engine
+
+    if _patching.is_patched(async_llm, "OutputProcessor"):
+        pytest.skip("the plugin is already installed in this process")
+    labels = opm.install()
+    try:
+        assert async_llm.OutputProcessor is OutputProcessor
+        assert llm_engine.OutputProcessor is OutputProcessor
+        assert any(label.endswith("AsyncLLM.__init__") for label in labels)
+        assert any(label.endswith("LLMEngine.__init__") for label in labels)
+        assert any(label.endswith("RequestOutput.add") for label in labels)
+        with pytest.raises(_patching.PatchError):
+            opm.install()
+    finally:
+        _patching.restore_all()
+    assert async_llm.OutputProcessor is opm.StockOutputProcessor

@@ -1,0 +1,105 @@
+"""The plugin as vLLM loads it: entry point, version gate, VLLM_MMRETRY=0, and the
+log lines of a real running server."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import servers  # tools/, put on sys.path by conftest
+
+PY = sys.executable
+
+
+def _run(code: str, **env: str) -> dict:
+    """Run `code` in a fresh interpreter (patches are per process); it prints JSON."""
+    out = subprocess.run(
+        [PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PROBE = """
+    import json, vllm_mmretry.compat as compat
+    {setup}
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()  # what vLLM does in every process
+    from vllm.v1.engine import async_llm, llm_engine, output_processor
+    from vllm_mmretry import _patching, plugin
+    print(json.dumps({{
+        "state": plugin.active_patches(),
+        "originals": len(_patching._originals),
+        "async_llm_op": async_llm.OutputProcessor.__module__,
+        "llm_engine_op": llm_engine.OutputProcessor.__module__,
+    }}))
+"""
+
+
+def test_entry_point_is_registered_for_vllm() -> None:
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [ep.value for ep in eps if ep.name == "vllm_mmretry"] == ["vllm_mmretry:register"]
+
+
+def test_supported_vllm_is_patched_through_the_entry_point() -> None:
+    r = _run(PROBE.format(setup=""))
+    assert r["originals"] > 0 and r["state"], r
+    assert r["async_llm_op"].startswith("vllm_mmretry") and r["llm_engine_op"].startswith("vllm_mmretry")
+
+
+def test_disabled_leaves_vllm_untouched() -> None:
+    r = _run(PROBE.format(setup=""), VLLM_MMRETRY="0")
+    assert r == {"state": [], "originals": 0, "async_llm_op": "vllm.v1.engine.output_processor",
+                 "llm_engine_op": "vllm.v1.engine.output_processor"}
+
+
+def test_unsupported_vllm_version_leaves_vllm_untouched() -> None:
+    r = _run(PROBE.format(setup="import vllm; vllm.__version__ = '0.31.9'"))
+    assert r == {"state": [], "originals": 0, "async_llm_op": "vllm.v1.engine.output_processor",
+                 "llm_engine_op": "vllm.v1.engine.output_processor"}
+
+
+def test_register_is_idempotent_and_refuses_double_patching() -> None:
+    r = _run("""
+        import json, vllm_mmretry
+        from vllm_mmretry import _patching, output_processor
+        first = vllm_mmretry.register()
+        second = vllm_mmretry.register()
+        try:
+            output_processor.install()
+            refused = False
+        except _patching.PatchError:
+            refused = True
+        print(json.dumps({"same": first == second, "n": len(first), "refused": refused}))
+    """)
+    assert r == {"same": True, "n": r["n"], "refused": True} and r["n"] > 0
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model_path):
+    with servers.serve(tiny_model_path) as s:
+        yield s
+
+
+def test_plugin_active_in_api_server_and_engine_core_of_a_running_server(plain_server) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(plain_server.base_url + "/health") as r:
+        assert r.status == 200
+    log = plain_server.log()
+    active = re.findall(r"\((\w+) pid=(\d+)\).*vllm-mmretry active for vLLM [\d.]+ \([^)]*\): patched (.+)", log)
+    roles = {role for role, _, _ in active}
+    assert {"APIServer", "EngineCore"} <= roles, log[-3000:]
+    # One line per process, and the API server is running our output processor.
+    pids = [pid for _, pid, _ in active]
+    assert len(pids) == len(set(pids))
+    api = next(p for role, _, p in active if role == "APIServer")
+    assert "OutputProcessor" in api

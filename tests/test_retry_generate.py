@@ -1,0 +1,270 @@
+"""The serving-layer retry on /v1/chat/completions and /v1/completions, against
+vLLM's real app, serving classes and an engine (AsyncLLM + engine-core process) on
+the tiny LLaVA. Faults are injected at the engine-output boundary
+(retry_support.EngineFaults); everything above it is vLLM as `vllm serve` runs it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from retry_support import Fault, InProcessServer, image_messages, in_process_server
+
+CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[InProcessServer]:
+    with in_process_server() as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def fresh(server: InProcessServer) -> Iterator[None]:
+    assert server.faults is not None
+    server.faults.clear()
+    yield
+    server.faults.clear()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def retry_log() -> Iterator[list[str]]:
+    handler = _Lines()
+    log = logging.getLogger("vllm.vllm_mmretry.retry")
+    log.addHandler(handler)
+    yield handler.lines
+    log.removeHandler(handler)
+
+
+def chat_body(rid: str, text: str = "describe the picture", seed: int = 0,
+              max_tokens: int = 8) -> dict[str, Any]:
+    return {"messages": image_messages(text, seed), "max_tokens": max_tokens,
+            "temperature": 0, "request_id": rid}
+
+
+def cmpl_body(rid: str, prompt: str | list[str] = "The capital of France is",
+              max_tokens: int = 8) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "request_id": rid}
+
+
+def answer(path: str, resp: Any) -> list[str]:
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    return [c["message"]["content"] if path == CHAT else c["text"] for c in choices]
+
+
+def streamed(path: str, events: list[Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Concatenated streamed text and the error events."""
+    text, errors = [], []
+    for ev in events:
+        if ev == "[DONE]":
+            continue
+        if "error" in ev:
+            errors.append(ev["error"])
+            continue
+        for c in ev["choices"]:
+            text.append((c.get("delta") or {}).get("content") or "" if path == CHAT
+                        else c.get("text") or "")
+    return "".join(text), errors
+
+
+def body_for(path: str, rid: str) -> dict[str, Any]:
+    return chat_body(rid) if path == CHAT else cmpl_body(rid)
+
+
+def test_plugin_installed_the_retry_in_this_process() -> None:
+    from vllm_mmretry import plugin
+
+    patched = plugin.active_patches()
+    assert "AsyncLLM.generate" in patched
+    assert "OpenAIServingChat.create_chat_completion" in patched
+    assert "OpenAIServingCompletion.create_completion" in patched
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_first_miss_recovers_identically_not_streaming(
+        server: InProcessServer, path: str, retry_log: list[str]) -> None:
+    faults = server.faults
+    reference = answer(path, server.post(path, body_for(path, "ref-ns")))
+    faults.clear()
+    fault = faults.add(Fault("miss-ns"))
+    got = answer(path, server.post(path, body_for(path, "miss-ns")))
+    assert got == reference
+    assert len(fault.hits) == 1
+    # Same request id submitted twice; the retry rendered with skip_mm_cache=True.
+    assert len(faults.submitted) == 2 and faults.submitted[0] == faults.submitted[1]
+    assert faults.renders == [False, True]
+    retries = [line for line in retry_log if "vllm-mmretry: retrying" in line]
+    assert len(retries) == 1 and "miss-ns" in retries[0]
+    assert "multimodal_cache_miss" in retries[0] and path in retries[0]
+    assert "attempt 2" in retries[0]
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_first_miss_recovers_identically_streaming(server: InProcessServer, path: str) -> None:
+    faults = server.faults
+    status, events = server.stream(path, body_for(path, "ref-s"))
+    reference, errors = streamed(path, events)
+    assert status == 200 and not errors and reference
+    faults.clear()
+    faults.add(Fault("miss-s"))
+    status, events = server.stream(path, body_for(path, "miss-s"))
+    text, errors = streamed(path, events)
+    assert status == 200 and not errors
+    assert text == reference and events[-1] == "[DONE]"
+    assert faults.renders == [False, True] and len(faults.submitted) == 2
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_second_failure_is_503_with_retry_headers(
+        server: InProcessServer, path: str, retry_log: list[str]) -> None:
+    server.faults.add(Fault("twice-ns", times=2))
+    resp = server.post(path, body_for(path, "twice-ns"))
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["retry-after"] == "1"
+    assert resp.headers["x-should-retry"] == "true"
+    err = resp.json()["error"]  # vLLM's usual error body
+    assert err["code"] == 503 and err["type"] == "ServiceUnavailableError"
+    assert len(server.faults.submitted) == 2  # exactly one retry
+    assert sum("vllm-mmretry: retrying" in line for line in retry_log) == 1
+    assert sum("failed again" in line and "twice-ns" in line for line in retry_log) == 1
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_second_failure_streaming_is_an_error_event(server: InProcessServer, path: str) -> None:
+    server.faults.add(Fault("twice-s", times=2))
+    status, events = server.stream(path, body_for(path, "twice-s"))
+    text, errors = streamed(path, events)
+    assert status == 200 and text == ""
+    assert [e["code"] for e in errors] == [503]
+    assert events[-1] == "[DONE]"
+    assert len(server.faults.submitted) == 2
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_no_retry_after_the_first_streamed_chunk(server: InProcessServer, path: str) -> None:
+    # The miss arrives with the request's third engine output, held back long
+    # enough that the first chunks have been streamed.
+    server.faults.add(Fault("late", at_output=2, delay_s=0.5))
+    status, events = server.stream(path, body_for(path, "late"))
+    text, errors = streamed(path, events)
+    assert status == 200 and text  # part of the answer went out ...
+    assert [e["code"] for e in errors] == [500]  # ... so stock handling, no retry
+    assert len(server.faults.submitted) == 1 and server.faults.renders == [False]
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_non_retryable_error_is_stock_500(server: InProcessServer, path: str,
+                                          retry_log: list[str]) -> None:
+    server.faults.add(Fault("fatal-ns", kind="fatal"))
+    resp = server.post(path, body_for(path, "fatal-ns"))
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "InternalServerError"
+    assert "retry-after" not in resp.headers
+    server.faults.add(Fault("fatal-s", kind="fatal"))
+    status, events = server.stream(path, body_for(path, "fatal-s"))
+    assert [e["code"] for e in streamed(path, events)[1]] == [500]
+    assert len(server.faults.submitted) == 2  # one per request: no retries
+    assert not [line for line in retry_log if "vllm-mmretry" in line]
+
+
+def test_other_retryable_error_rerenders_normally(server: InProcessServer) -> None:
+    reference = answer(CHAT, server.post(CHAT, chat_body("ref-tr")))
+    server.faults.clear()
+    server.faults.add(Fault("transient", kind="transient"))
+    assert answer(CHAT, server.post(CHAT, chat_body("transient"))) == reference
+    assert server.faults.renders == [False, False] and len(server.faults.submitted) == 2
+
+
+def test_multi_prompt_completion_retries_only_the_failed_prompt(server: InProcessServer) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    reference = answer(CMPL, server.post(CMPL, cmpl_body("ref-mp", prompts)))
+    server.faults.clear()
+    server.faults.add(Fault("cmpl-mp-1"))
+    assert answer(CMPL, server.post(CMPL, cmpl_body("mp", prompts))) == reference
+    assert sorted(server.faults.submitted) == ["cmpl-mp-0", "cmpl-mp-1", "cmpl-mp-1"]
+
+
+def test_one_retry_per_request_across_prompts(server: InProcessServer) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    server.faults.add(Fault("cmpl-both-0"))
+    server.faults.add(Fault("cmpl-both-1"))
+    resp = server.post(CMPL, cmpl_body("both", prompts))
+    assert resp.status_code == 503
+
+
+def test_responses_streaming_keeps_stock_error_handling(server: InProcessServer,
+                                                        retry_log: list[str]) -> None:
+    server.faults.add(Fault("resp_s"))
+    resp = server.post(RESP, {"input": "Hello there", "max_output_tokens": 8,
+                              "temperature": 0, "stream": True, "request_id": "resp_s"})
+    assert resp.status_code == 200
+    events = [json.loads(line[len("data: "):]) for line in resp.text.splitlines()
+              if line.startswith("data: ")]
+    # vLLM 0.32 cuts this stream (its error JSON is no Responses event); the plugin
+    # ends it with an OpenAI `error` event carrying vLLM's usual error body.
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                           "error"]
+    assert events[-1]["code"] == "500" and events[-1]["sequence_number"] == 2
+    assert events[-1]["error"]["type"] == "InternalServerError"
+    assert len(server.faults.submitted) == 1
+    assert not [line for line in retry_log if "vllm-mmretry: retrying" in line]
+
+
+def test_responses_non_streaming_keeps_stock_500(server: InProcessServer) -> None:
+    server.faults.add(Fault("resp_ns"))
+    resp = server.post(RESP, {"input": "Hello there", "max_output_tokens": 8,
+                              "temperature": 0, "request_id": "resp_ns"})
+    assert resp.status_code == 500, resp.text
+    assert len(server.faults.submitted) == 1
+
+
+def test_beam_search_keeps_stock_error_handling(server: InProcessServer,
+                                                retry_log: list[str]) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "use_beam_search": True, "n": 2, "request_id": "beam"}
+    ok = server.post(CHAT, {**body, "request_id": "beam-ok"})
+    assert ok.status_code == 200, ok.text
+    server.faults.clear()
+    server.faults.add(Fault("chatcmpl-beam-"))
+    resp = server.post(CHAT, body)
+    assert resp.status_code == 500, resp.text  # beam search's own error output
+    assert not [line for line in retry_log if "vllm-mmretry" in line]
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 50), max_tokens=st.integers(1, 12),
+       text=st.sampled_from(["describe", "what is this?", "colors", "count the dots"]),
+       stream=st.booleans())
+def test_recovered_answer_equals_undisturbed_answer(server: InProcessServer, seed: int,
+                                                    max_tokens: int, text: str,
+                                                    stream: bool) -> None:
+    """Differential: a first miss on any image/prompt gives the undisturbed answer."""
+    server.faults.clear()
+    body = chat_body("", text, seed, max_tokens)
+    if stream:
+        ref = streamed(CHAT, server.stream(CHAT, {**body, "request_id": f"hr-{seed}"})[1])
+        server.faults.add(Fault(f"hm-{seed}-"))
+        got = streamed(CHAT, server.stream(CHAT, {**body, "request_id": f"hm-{seed}-"})[1])
+    else:
+        ref = answer(CHAT, server.post(CHAT, {**body, "request_id": f"hr-{seed}"}))
+        server.faults.add(Fault(f"hm-{seed}-"))
+        got = answer(CHAT, server.post(CHAT, {**body, "request_id": f"hm-{seed}-"}))
+    assert got == ref
+    assert server.faults.renders[-2:] == [False, True]

@@ -1,0 +1,95 @@
+"""The serving-layer retry on the ordinary pooling path (/v1/embeddings, Cohere
+/v2/embed), against vLLM's real app and an embedding engine on the tiny LLaVA
+(`--runner pooling --convert embed`). A P1 miss is injected at the engine-output
+boundary; vLLM's own output processor turns it into `PoolingRequestOutput.error`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from retry_support import Fault, InProcessServer, image_messages, in_process_server, png_data_url
+
+EMBED, COHERE = "/v1/embeddings", "/v2/embed"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[InProcessServer]:
+    with in_process_server("--runner", "pooling", "--convert", "embed") as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def fresh(server: InProcessServer) -> Iterator[None]:
+    server.faults.clear()
+    yield
+    server.faults.clear()
+
+
+def body(path: str, seed: int = 0) -> dict[str, Any]:
+    if path == EMBED:
+        return {"messages": image_messages("an image", seed), "encoding_format": "float"}
+    return {"images": [png_data_url(seed)],
+            "embedding_types": ["float"]}
+
+
+def vectors(path: str, resp: Any) -> list[list[float]]:
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    if path == EMBED:
+        return [d["embedding"] for d in data["data"]]
+    return data["embeddings"]["float"]
+
+
+def post(server: InProcessServer, path: str, rid: str, seed: int = 0) -> Any:
+    # Pooling requests take their id from X-Request-Id.
+    return server.run(server.client.post(
+        path, json={"model": server.model, **body(path, seed)},
+        headers={"X-Request-Id": rid}))
+
+
+def test_plugin_installed_the_pooling_retry() -> None:
+    from vllm_mmretry import plugin
+
+    assert "PoolingBaseServing.__call__" in plugin.active_patches()
+
+
+@pytest.mark.parametrize("path", [EMBED, COHERE])
+def test_first_miss_recovers_identically(server: InProcessServer, path: str) -> None:
+    reference = vectors(path, post(server, path, "pref"))
+    assert len(reference) == 1 and len(reference[0]) == 64
+    server.faults.clear()
+    fault = server.faults.add(Fault("pmiss"))
+    got = vectors(path, post(server, path, "pmiss"))
+    assert got == reference
+    assert len(fault.hits) == 1
+    assert len(server.faults.submitted) == 2
+    assert server.faults.submitted[0] == server.faults.submitted[1]
+    assert server.faults.renders == [False, True]  # the retry skipped the P0 mm cache
+
+
+@pytest.mark.parametrize("path", [EMBED, COHERE])
+def test_second_failure_is_503_with_retry_headers(server: InProcessServer, path: str) -> None:
+    server.faults.add(Fault("ptwice", times=2))
+    resp = post(server, path, "ptwice")
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["retry-after"] == "1" and resp.headers["x-should-retry"] == "true"
+    assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+    assert len(server.faults.submitted) == 2
+
+
+def test_batch_retries_with_all_prompts_and_keeps_order(server: InProcessServer) -> None:
+    texts = {"input": ["first text", "second text", "third text"]}
+
+    def run(rid: str) -> Any:
+        return server.run(server.client.post(
+            EMBED, json={"model": server.model, **texts}, headers={"X-Request-Id": rid}))
+
+    reference = vectors(EMBED, run("bref"))
+    server.faults.clear()
+    server.faults.add(Fault("bmiss-1"))
+    assert vectors(EMBED, run("bmiss")) == reference
+    # One failed prompt: the whole batch is rendered and submitted again, once.
+    assert len(server.faults.submitted) == 6 and server.faults.renders[-3:] == [True] * 3

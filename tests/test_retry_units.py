@@ -1,0 +1,126 @@
+"""Unit-level checks of the retry's edges that need no engine: the flash
+late-interaction score/rerank path keeps vLLM's own 503, the error handler adds the
+retry headers only to RetryableRequestError, and the retry's patches are exactly the
+ones it names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from fastapi import Request
+
+from vllm_mmretry import _patching, compat, plugin, retry
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched() -> None:
+    plugin.register()  # what vLLM does in every process; idempotent
+    assert "AsyncLLM.generate" in plugin.active_patches()
+
+
+def _request() -> Request:
+    return Request({"type": "http", "method": "POST", "path": "/score", "headers": [],
+                    "query_string": b""})
+
+
+def _pooling_output(error: Any) -> Any:
+    from vllm.outputs import PoolingOutput, PoolingRequestOutput
+
+    return PoolingRequestOutput(request_id="late-interaction-q-0",
+                                outputs=PoolingOutput(data=torch.zeros(2)),
+                                prompt_token_ids=[1, 2], num_cached_tokens=0,
+                                finished=True, error=error)
+
+
+async def _results(*outs: Any) -> AsyncIterator[tuple[int, Any]]:
+    for i, out in enumerate(outs):
+        yield i, out
+
+
+def _scoring_ctx(*outs: Any) -> Any:
+    from vllm.entrypoints.pooling.scoring.io_processor import ScoringServeContext
+    from vllm.pooling_params import PoolingParams
+
+    ctx = ScoringServeContext(request=None, model_name="m", request_id="score-1",
+                              pooling_params=PoolingParams(), lora_request=None,
+                              priorities=0, prompt_extras=None,
+                              engine_inputs=[{}] * len(outs))
+    ctx.result_generator = _results(*outs)
+    return ctx
+
+
+def test_flash_late_interaction_still_collects_with_stock_collect_batch() -> None:
+    from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
+    from vllm.entrypoints.pooling.scoring.serving import ServingScores
+
+    # The flash path calls _collect_batch directly; neither is wrapped by the retry.
+    assert not _patching.is_patched(PoolingBaseServing, "_collect_batch")
+    assert "flash_late_interaction" not in vars(ServingScores) or not _patching.is_patched(
+        ServingScores, "flash_late_interaction")
+    assert "__call__" in vars(ServingScores)  # its own __call__, which we do not touch
+    assert not _patching.is_patched(ServingScores, "__call__")
+
+
+def test_collect_batch_maps_a_retryable_pooling_error_to_503() -> None:
+    from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
+    from vllm.exceptions import GenerationError, RetryableRequestError
+    from vllm.outputs import RequestError
+
+    miss = RequestError(code=retry.MM_CACHE_MISS, message="Multi-modal processor cache miss.",
+                        retryable=True)
+    with pytest.raises(RetryableRequestError) as exc:
+        asyncio.run(PoolingBaseServing._collect_batch(None, _scoring_ctx(_pooling_output(miss))))
+    assert exc.value.status_code == 503
+    fatal = RequestError(code="internal", message="boom", retryable=False)
+    with pytest.raises(GenerationError) as exc2:
+        asyncio.run(PoolingBaseServing._collect_batch(None, _scoring_ctx(_pooling_output(fatal))))
+    assert not isinstance(exc2.value, RetryableRequestError)
+
+
+def test_503_answer_carries_retry_headers_and_the_usual_body() -> None:
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.entrypoints.serve.exception_handling.handlers.vllm_error import vllm_error_handler
+    from vllm.exceptions import GenerationError, RetryableRequestError
+
+    exc = RetryableRequestError("Multi-modal processor cache miss.")
+    resp = asyncio.run(vllm_error_handler(_request(), exc))
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"] == "1" and resp.headers["x-should-retry"] == "true"
+    assert json.loads(resp.body) == create_error_response(exc).model_dump()
+    plain = asyncio.run(vllm_error_handler(_request(), GenerationError("Internal server error")))
+    assert plain.status_code == 500 and "retry-after" not in plain.headers
+
+
+def test_retryable_error_reads_only_terminal_retryable_structured_errors() -> None:
+    from vllm.outputs import RequestError
+
+    miss = RequestError(code=retry.MM_CACHE_MISS, message="m", retryable=True)
+    assert retry.retryable_error(_pooling_output(miss)) is miss
+    assert retry.retryable_error(_pooling_output(None)) is None
+    assert retry.retryable_error(_pooling_output(
+        RequestError(code="x", message="m", retryable=False))) is None
+    running = _pooling_output(miss)
+    running.finished = False
+    assert retry.retryable_error(running) is None
+
+
+def test_generate_outside_the_endpoints_is_the_original_stream() -> None:
+    """Responses, batch, beam search ... call generate() without the endpoint mark:
+    they get AsyncLLM's own generator object, untouched."""
+    seams = compat.retry_seams()
+    original = _patching.original(seams.engine_client, seams.generate)
+    assert seams.engine_client.generate is not original
+
+    class Engine:
+        pass
+
+    gen = seams.engine_client.generate(Engine(), "prompt", None, "req-1")
+    try:
+        assert gen.ag_code is original.__code__  # AsyncLLM.generate's own frame
+    finally:
+        asyncio.run(gen.aclose())
