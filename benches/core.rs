@@ -1,9 +1,99 @@
-// Criterion benches for the pure-Rust core (filled in by the native-loop work).
-use criterion::{criterion_group, criterion_main, Criterion};
+//! Criterion benches for the pure-Rust core: the native incremental detokenizer.
+//!
+//! A batch of 1024 requests, each stepping one token per engine step (update + delta
+//! text), as vLLM's output loop does at batch 1024. Throughput is request-steps.
+//! Needs the real vocabularies built by tools/tiny_model.py and tools/tekken_tokenizer.py
+//! (looked up under $VLLM_MMRETRY_CACHE or ./.cache); without them it benches nothing.
 
-fn placeholder(c: &mut Criterion) {
-    c.bench_function("version", |b| b.iter(|| vllm_mmretry::VERSION.len()));
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use vllm_mmretry::detok::{DetokParams, DetokState, Vocab};
+
+const BATCH: usize = 1024;
+const TEXT: &str = "The quick brown fox jumps over the lazy dog, then writes a short essay \
+    about naïve café owners in Zürich — 東京の天気は晴れです 🦀. Numbers: 3.14159, 2718; \
+    code: fn main() { println!(\"hi\"); }\n";
+
+fn tokenizer_json(prefix: &str) -> Option<PathBuf> {
+    let root = std::env::var("VLLM_MMRETRY_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache"));
+    ["models", "tokenizers"].iter().find_map(|sub| {
+        std::fs::read_dir(root.join(sub)).ok()?.flatten().find_map(|e| {
+            let f = e.path().join("tokenizer.json");
+            (e.file_name().to_string_lossy().starts_with(prefix) && f.exists()).then_some(f)
+        })
+    })
 }
 
-criterion_group!(benches, placeholder);
+struct Batch {
+    vocab: Arc<Vocab>,
+    params: DetokParams,
+    prompt: Vec<u32>,
+    gen: Vec<u32>,
+    reqs: Vec<(DetokState, usize)>,
+}
+
+impl Batch {
+    fn new(vocab: Arc<Vocab>, params: DetokParams) -> Self {
+        let enc = |s: &str| vocab.tokenizer().encode(s, false).expect("encode").get_ids().to_vec();
+        let prompt = enc("Please write an essay about foxes and dogs.");
+        let gen = enc(&TEXT.repeat(40));
+        let reqs = (0..BATCH)
+            .map(|i| (DetokState::new(vocab.clone(), &prompt, params.clone()), i * 7 % gen.len()))
+            .collect();
+        Batch { vocab, params, prompt, gen, reqs }
+    }
+
+    /// One engine step: every request gets one token and emits its delta text.
+    fn step(&mut self) -> usize {
+        let mut n = 0;
+        for (st, pos) in &mut self.reqs {
+            if *pos == self.gen.len() {
+                *st = DetokState::new(self.vocab.clone(), &self.prompt, self.params.clone());
+                *pos = 0;
+            }
+            let stop = st.update(&self.gen[*pos..*pos + 1], false).expect("update");
+            *pos += 1;
+            n += st.output_text_ref(stop.is_some(), true).len();
+            if stop.is_some() {
+                *pos = self.gen.len();
+            }
+        }
+        n
+    }
+}
+
+fn detok(c: &mut Criterion) {
+    let mut g = c.benchmark_group("detok_step_batch1024");
+    g.throughput(Throughput::Elements(BATCH as u64));
+    for (name, prefix) in [("llama", "tiny-llava"), ("tekken", "tekken")] {
+        let Some(path) = tokenizer_json(prefix) else {
+            eprintln!("no {name} tokenizer.json under the cache; skipping");
+            continue;
+        };
+        let vocab = Arc::new(Vocab::from_file(path.to_str().unwrap()).expect("load"));
+        let generic = Arc::new(Vocab::from_file(path.to_str().unwrap()).expect("load").generic());
+        let plain = DetokParams { skip_special_tokens: true, spaces_between_special_tokens: true, ..Default::default() };
+        let stops = DetokParams { stop: vec!["zebra".into(), "\n\n\n".into()], ..plain.clone() };
+        for (label, v, p) in [
+            ("table", &vocab, &plain),
+            ("table+2stops", &vocab, &stops),
+            ("crate_decode", &generic, &plain),
+        ] {
+            let mut b = Batch::new(v.clone(), p.clone());
+            g.bench_function(format!("{name}/{label}"), |bench| bench.iter(|| black_box(b.step())));
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(3));
+    targets = detok
+}
 criterion_main!(benches);

@@ -41,3 +41,40 @@ class OutputCore:
     def queues(self) -> list[Any | None]: ...
     def num_queued_tokens(self) -> int: ...
     def counters(self) -> dict[str, Any]: ...
+
+# --- native incremental detokenizer (rust/src/detok.rs) ---------------------------
+
+class NativeVocab:
+    """A HF fast tokenizer definition loaded once in Rust; share it between requests."""
+
+    fast_decoder: bool
+    def __init__(self, json: str) -> None:
+        """From `tokenizer._tokenizer.to_str()` (exactly what vLLM decodes with)."""
+    @staticmethod
+    def from_file(path: str) -> NativeVocab: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def self_check(
+        self, n_random: int = 2000, max_len: int = 8, seed: int = 0
+    ) -> list[tuple[list[int], bool, str, str]]: ...
+
+class NativeDetokenizer:
+    """vLLM 0.32's FastIncrementalDetokenizer (+ stop strings), step for step."""
+
+    output_token_ids: list[int]
+    output_text: str
+    def __init__(
+        self,
+        vocab: NativeVocab,
+        prompt_token_ids: list[int] | None,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None: ...
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
+    def get_next_output_text(self, finished: bool, delta: bool) -> str: ...
+    def num_output_tokens(self) -> int: ...
+
+def native_detok_fallback_reason(stop: list[str] | None = None) -> str | None: ...

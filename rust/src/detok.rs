@@ -153,6 +153,12 @@ impl Vocab {
         Ok(Vocab { tok, fast, added })
     }
 
+    /// The same vocabulary decoding through `Tokenizer::decode` only (for comparisons).
+    pub fn generic(mut self) -> Self {
+        self.fast = None;
+        self
+    }
+
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tok
     }

@@ -29,7 +29,8 @@ fn spm_vocab() -> Arc<Vocab> {
             {"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
             {"id": 2, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
             {"id": n, "content": "<image>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
-            {"id": n + 1, "content": "<tool>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false}
+            {"id": n + 1, "content": "<tool>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false},
+            {"id": n + 2, "content": "<x▁y>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false}
         ],
         "normalizer": null,
         "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false},
@@ -196,7 +197,7 @@ fn no_spaces_between_consecutive_added_tokens() {
     let img = id(&v, "<image>");
     let tool = id(&v, "<tool>");
     let p = DetokParams { spaces_between_special_tokens: false, ..params(false) };
-    let mut st = DetokState::new(v.clone(), &[1], p);
+    let mut st = DetokState::new(v.clone(), &[1], p.clone());
     st.update(&[img, tool, id(&v, "▁Hello"), img], false).unwrap();
     // The second of two consecutive added tokens is emitted as its raw content.
     let with = {
@@ -206,6 +207,15 @@ fn no_spaces_between_consecutive_added_tokens() {
     };
     assert_eq!(st.text(), "<image><tool> Hello<image>");
     assert_eq!(with, "<image><tool> Hello<image>"); // this decoder adds no spaces anyway
+
+    // Visible when an added token's decoding differs from its content (▁ -> space).
+    let xy = id(&v, "<x▁y>");
+    let mut st = DetokState::new(v.clone(), &[1], p.clone());
+    st.update(&[xy, img, xy, id(&v, "▁Hello"), xy], false).unwrap();
+    assert_eq!(st.text(), "<x y><image><x▁y> Hello<x y>");
+    let mut st = DetokState::new(v.clone(), &[1], params(false));
+    st.update(&[xy, img, xy], false).unwrap();
+    assert_eq!(st.text(), "<x y><image><x y>");
 }
 
 #[test]
