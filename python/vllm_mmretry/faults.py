@@ -173,7 +173,6 @@ def _logging_cache_type(original: Any) -> Any:
 
 def install() -> list[str]:
     """Read `VLLM_MMRETRY_FAULTS`; patch the receiver cache if set. Returns labels."""
-    global _state
     plan = parse(os.environ.get(ENV, ""))
     if plan is None:
         return []
@@ -185,12 +184,27 @@ def install() -> list[str]:
         _patching.patch_attr(factories, lookup_name,
                              _logging_cache_type(getattr(factories, lookup_name))),
     ]
-    _state = _State(plan=plan, rng=random.Random(plan.seed))
+    activate(plan)
     compat.when_vllm_logging_ready(lambda: _logger().warning(
         "!!! vllm-mmretry TEST FAULT SWITCH ON (pid %d): %s=%r -- this server drops "
         "multimodal cache entries on purpose; never use it outside tests !!!",
         os.getpid(), ENV, plan.spec))
     return [f"{label} [test fault {plan.spec}]" for label in labels]
+
+
+def activate(plan: FaultPlan | None) -> None:
+    """Set (or clear) the plan the patched receiver follows, with fresh counters.
+    `install()` calls it; in-process tests call it around the unpatched class."""
+    global _state
+    _state = None if plan is None else _State(plan=plan, rng=random.Random(plan.seed))
+
+
+def faulty_get_and_update_item() -> Any:
+    """The receiver's `get_and_update_item` with the switch applied, built around
+    vLLM's method without patching the class (for in-process differential tests)."""
+    receiver_cls, miss_error = compat.lru_receiver_cache()
+    original = _patching.original(receiver_cls, "get_and_update_item")
+    return _receiver_get_and_update_item(original, miss_error)
 
 
 def stats() -> dict[str, int]:
@@ -202,6 +216,5 @@ def stats() -> dict[str, int]:
 
 
 def _reset_for_tests() -> None:
-    global _state
-    _state = None
+    activate(None)
     _cache_types_logged.clear()
