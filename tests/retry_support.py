@@ -94,6 +94,7 @@ class EngineFaults:
         self.renders: list[bool] = []  # skip_mm_cache of every render, in order
         self.mm_hashes: dict[str, list[str]] = {}  # internal id -> its mm hashes
         self._planned: dict[str, tuple[str, Fault]] = {}  # internal id -> (kind, fault)
+        self._failed: set[str] = set()  # internal ids we ended
         self._wrap()
 
     def add(self, fault: Fault) -> Fault:
@@ -108,6 +109,12 @@ class EngineFaults:
 
     def _wrap(self) -> None:
         engine = self.engine
+        handler = engine.output_handler
+        if handler is not None:
+            # Started during start-up (reset_mm_cache): it is already waiting in an
+            # unwrapped get_output_async(). Stop it; the next request starts a new one.
+            handler.cancel()
+            engine.output_handler = None
         core = engine.engine_core
         get_output = core.get_output_async
         op = engine.output_processor
@@ -130,6 +137,10 @@ class EngineFaults:
             from vllm.v1.engine import FinishReason
 
             delay = 0.0
+            # A request P1 failed produces nothing more: drop what the engine core
+            # still sends for it until our abort lands.
+            outputs.outputs = [eco for eco in outputs.outputs
+                               if eco.request_id not in self._failed]
             for eco in outputs.outputs:
                 fault = self._match(eco.request_id)
                 if fault is None:
@@ -139,6 +150,7 @@ class EngineFaults:
                 if n != fault.at_output:
                     continue
                 fault.hits.append(self.external[eco.request_id])
+                self._failed.add(eco.request_id)
                 self._planned[eco.request_id] = (fault.kind, fault)
                 eco.finish_reason = FinishReason.ERROR
                 eco.new_token_ids = []
