@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
-.PHONY: setup demo test test-rust test-py bench bench-rust bench-py clean
+.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py clean
 
 setup: $(STAMP)/package
 
@@ -40,8 +40,13 @@ demo: setup
 
 test: setup test-rust test-py
 
-test-rust:
-	cargo test --release --lib --quiet
+# The Rust detokenizer tests compare against the real vocabularies: build them first.
+vocabs: setup
+	$(VPY) tools/tiny_model.py
+	$(VPY) tools/tekken_tokenizer.py
+
+test-rust: vocabs
+	VLLM_MMRETRY_REQUIRE_VOCABS=1 cargo test --release --lib --quiet
 
 test-py: setup
 	$(VPY) -m pytest -q -p no:cacheprovider tests
