@@ -339,3 +339,19 @@ def test_undisturbed_requests_match_stock_vllm(server: InProcessServer, path: st
         for key in ("id", "created", "system_fingerprint"):
             ours.pop(key, None), stock.pop(key, None)
         assert ours == stock
+
+
+def test_run_batch_keeps_its_own_policy(server: InProcessServer, retry_log: list[str]) -> None:
+    """vLLM's run_batch calls the same serving method without an HTTP request: no
+    retry there; the miss becomes its usual error line (500)."""
+    from vllm.entrypoints.launchers.run_batch import (BatchProgressTracker,
+                                                      BatchRequestInput, run_request)
+
+    fault = server.faults.add(Fault("rb-miss"))
+    item = BatchRequestInput(custom_id="c1", method="POST", url="/v1/chat/completions",
+                             body={"model": server.model, **chat_body("rb-miss")})
+    serving = server.app.state.openai_serving_chat
+    out = server.run(run_request(serving.create_chat_completion, item, BatchProgressTracker()))
+    assert fault.hits and len(server.faults.submitted) == 1
+    assert out.response.status_code == 500 and out.error.error.code == 500
+    assert not [line for line in retry_log if "vllm-mmretry" in line]

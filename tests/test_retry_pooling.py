@@ -93,3 +93,16 @@ def test_batch_retries_with_all_prompts_and_keeps_order(server: InProcessServer)
     assert vectors(EMBED, run("bmiss")) == reference
     # One failed prompt: the whole batch is rendered and submitted again, once.
     assert len(server.faults.submitted) == 6 and server.faults.renders[-3:] == [True] * 3
+
+
+def test_run_batch_embeddings_keep_their_own_503(server: InProcessServer) -> None:
+    from vllm.entrypoints.launchers.run_batch import (BatchProgressTracker,
+                                                      BatchRequestInput, run_request)
+
+    fault = server.faults.add(Fault("embd-"))  # run_batch gives a random id: fail any
+    item = BatchRequestInput(custom_id="e1", method="POST", url="/v1/embeddings",
+                             body={"model": server.model, **body(EMBED)})
+    out = server.run(run_request(server.app.state.serving_embedding, item,
+                                 BatchProgressTracker()))
+    assert fault.hits and len(server.faults.submitted) == 1  # no retry outside HTTP
+    assert out.response.status_code == 503

@@ -105,6 +105,19 @@ def retry_seams() -> RetrySeams:
                       AsyncLLM, vllm_error)
 
 
+# AsyncLLM.generate(prompt, sampling_params, request_id, *, ...)
+def generate_request_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[2] if len(args) > 2 else kwargs.get("request_id")
+
+
+def generate_with_prompt(args: tuple[Any, ...], kwargs: dict[str, Any],
+                         prompt: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The same generate() call for another rendering of the prompt."""
+    if args:
+        return (prompt, *args[1:]), kwargs
+    return args, {**kwargs, "prompt": prompt}
+
+
 def retryable_request_error() -> type[Exception]:
     """vLLM's exception for a transient request failure (HTTP 503)."""
     from vllm.exceptions import RetryableRequestError

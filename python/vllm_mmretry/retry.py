@@ -17,6 +17,7 @@ its own policy. The generation endpoints mark their calls with a context variabl
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -83,7 +84,7 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
                    ) -> AsyncGenerator[Any, None]:
     """The engine stream of prompt `index`, retried once if it ends in a retryable
     error before anything of the endpoint's answer went out."""
-    request_id = args[2] if len(args) > 2 else kwargs.get("request_id")
+    request_id = compat.generate_request_id(args, kwargs)
     gen = generate(*args, **kwargs)
     try:
         first = await anext(gen, None)
@@ -97,7 +98,7 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
             skip = error.code == MM_CACHE_MISS
             _log_retry(request_id, call.endpoint, error, skip)
             prompt = (await call.rerender(skip))[index]
-            args, kwargs = _with_prompt(args, kwargs, prompt)
+            args, kwargs = compat.generate_with_prompt(args, kwargs, prompt)
             gen = generate(*args, **kwargs)
             first = await anext(gen, None)
             error = retryable_error(first) if first is not None else None
@@ -112,13 +113,6 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
             yield out
     finally:
         await gen.aclose()
-
-
-def _with_prompt(args: tuple[Any, ...], kwargs: dict[str, Any],
-                 prompt: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if args:
-        return (prompt, *args[1:]), kwargs
-    return args, {**kwargs, "prompt": prompt}
 
 
 def _wrap_generate(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,7 +136,8 @@ def _endpoint(raw_request: Any, default: str) -> str:
 
 def _copy(request: Any) -> Any:
     # Rendering may adjust the request (tool parsers, Mistral); keep the source.
-    return request.model_copy(deep=True)
+    model_copy = getattr(request, "model_copy", None)
+    return model_copy(deep=True) if model_copy is not None else copy.deepcopy(request)
 
 
 def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
@@ -150,8 +145,10 @@ def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
                    ) -> Callable[..., Any]:
     @functools.wraps(original)
     async def entry(self: Any, request: Any, raw_request: Any = None) -> Any:
-        if getattr(request, "use_beam_search", False):
-            return await original(self, request, raw_request)  # beam search: stock
+        # Only HTTP requests of the API server retry; run_batch and other callers
+        # without one (and beam search) keep vLLM's own policy.
+        if raw_request is None or getattr(request, "use_beam_search", False):
+            return await original(self, request, raw_request)
         source = _copy(request)
 
         def rerender(skip_mm_cache: bool) -> Awaitable[list[Any]]:
@@ -189,6 +186,8 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     async def pooling_call(self: Any, request: Any, raw_request: Any = None) -> Any:
+        if raw_request is None:  # not an API-server HTTP request (e.g. run_batch)
+            return await original(self, request, raw_request)
         source = _copy(request)
         attempt = await compat.pooling_submit(self, request, raw_request)
         taps: list[_ErrorTap] = []
