@@ -48,7 +48,7 @@ def test_core_rejects_bad_construction_and_ids() -> None:
     with pytest.raises(ValueError):
         _core.OutputCore((), (), None)
     with pytest.raises(TypeError):
-        _core.OutputCore((1, 2, 3, 4, 5, 6), (len,) * 4, None)
+        _core.OutputCore((1, 2, 3, 4, 5, 6), (len,) * 5, None)
     core = OutputProcessor(None, log_stats=False)._core
     for call in (lambda: core.state("x"), lambda: core.is_fast("x"), lambda: core.finish_request("x")):
         with pytest.raises(KeyError):

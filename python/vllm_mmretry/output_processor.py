@@ -14,6 +14,7 @@ Everything else produces the outputs stock vLLM produces (tests/test_differentia
 from __future__ import annotations
 
 import functools
+import os
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +28,11 @@ from vllm.outputs import (
 )
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine.detokenizer import (
+    FastIncrementalDetokenizer,
+    IncrementalDetokenizer,
+    uses_fast_detokenizer,
+)
 from vllm.v1.engine import output_processor as _stock
 from vllm.v1.engine.output_processor import (
     EMPTY_CPU_TENSOR,
@@ -47,6 +53,8 @@ _OUTPUT_KIND_CODE = {
     RequestOutputKind.FINAL_ONLY: 2,
 }
 StockOutputProcessor = _stock.OutputProcessor
+# "0" forces vLLM's Python detokenizer (the output loop stays native).
+NATIVE_DETOK_ENV = "VLLM_MMRETRY_NATIVE_DETOK"
 
 
 def miss_error(hashes: list[str]) -> RequestError:
@@ -229,6 +237,68 @@ def _error_output(
     return out
 
 
+def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_output_offset: int) -> None:
+    """Replay a native request's output ids into its (untouched) stock
+    detokenizer, so vLLM's Python code can continue it. The stock update runs
+    token by token exactly as it would have; stop strings are not re-checked
+    (none matched, or the request would have finished)."""
+    detok = req_state.detokenizer
+    assert detok is not None
+    if output_token_ids:
+        stop = getattr(detok, "stop", None)
+        if stop is not None:
+            detok.stop = []
+        try:
+            detok.update(output_token_ids, False)
+        finally:
+            if stop is not None:
+                detok.stop = stop
+    if hasattr(detok, "_last_output_text_offset"):
+        detok._last_output_text_offset = last_output_offset
+
+
+# ------------------------------------------------------------ native vocabulary
+
+_VOCABS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def native_vocab(tokenizer: Any) -> tuple[Any, str | None]:
+    """(`_core.NativeVocab`, None) for a tokenizer vLLM detokenizes with its
+    fast path and whose definition the Rust `tokenizers` crate loads, else
+    (None, reason). Loaded from `tokenizer._tokenizer.to_str()`, the exact
+    object vLLM's DecodeStream decodes with; cached per tokenizer object."""
+    if tokenizer is None:
+        return None, "no_tokenizer"
+    if not uses_fast_detokenizer(tokenizer):
+        name = type(tokenizer).__name__.lower()
+        return None, "mistral_tokenizer" if "mistral" in name else "slow_tokenizer"
+    if os.environ.get("VLLM_USE_FASTOKENS", "0").lower() not in ("", "0", "false"):
+        return None, "fastokens"
+    import tokenizers
+
+    if not tokenizers.__version__.startswith("0.23."):
+        return None, "tokenizers_version"
+    backend = tokenizer._tokenizer
+    key = (id(backend), backend.get_vocab_size(with_added_tokens=True))
+    hit = _VOCABS.get(key)
+    if hit is not None and hit[0] is backend:
+        return hit[1], None
+    try:
+        vocab = _core.NativeVocab(backend.to_str())
+    except Exception:  # noqa: BLE001 - any failure means "decode in Python"
+        return None, "unserializable_tokenizer"
+    if len(_VOCABS) >= 8:
+        _VOCABS.pop(next(iter(_VOCABS)))
+    _VOCABS[key] = (backend, vocab)  # the backend is kept alive: its id stays unique
+    return vocab, None
+
+
+def _native_enabled(native_detok: bool | None) -> bool:
+    if native_detok is not None:
+        return native_detok
+    return os.environ.get(NATIVE_DETOK_ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
 def _finished_stats_fn(tracing_enabled: bool) -> Any:
     def finished_stats(
         lora_states: LoRARequestStates,
@@ -270,7 +340,10 @@ class OutputProcessor:
         stream_interval: int = 1,
         tracing_enabled: bool = False,
         admission_stats: Any = None,
+        native_detok: bool | None = None,
     ) -> None:
+        """`native_detok`: detokenize in Rust when the tokenizer allows it
+        (default: on unless VLLM_MMRETRY_NATIVE_DETOK=0)."""
         ensure_request_output_error()
         self.log_stats = log_stats
         self.tokenizer = tokenizer
@@ -281,9 +354,14 @@ class OutputProcessor:
         self._core = _core.OutputCore(
             (EngineCoreOutput, RequestOutput, CompletionOutput, RequestOutputCollector,
              WeightVersionSpan, FinishReason),
-            (_fallback_step, _abort_output, _error_output, _finished_stats_fn(tracing_enabled)),
+            (_fallback_step, _abort_output, _error_output, _finished_stats_fn(tracing_enabled), _adopt_native),
             self.lora_states,
         )
+        if _native_enabled(native_detok):
+            vocab, self._detok_reason = native_vocab(tokenizer)
+            self._core.native_vocab = vocab
+        else:
+            self._detok_reason = "disabled"
 
     # P0's multimodal sender cache (or the renderer holding it), for invalidation.
     @property
@@ -362,7 +440,7 @@ class OutputProcessor:
             stream_interval=self.stream_interval,
         )
         reason = self._fallback_reason(request, state)
-        fast = None if reason else self._fast_info(state)
+        fast = None if reason else self._fast_info(state, request, self._detok_reason)
         self._core.add(
             request_id, state.external_req_id, state, parent_req, queue, fast, reason,
             bool(request.resumable), request.sampling_params is None,
@@ -388,11 +466,28 @@ class OutputProcessor:
         return None
 
     @staticmethod
-    def _fast_info(state: RequestState) -> dict[str, Any]:
+    def _fast_info(state: RequestState, request: EngineCoreRequest, detok_reason: str | None) -> dict[str, Any]:
         parent = state.parent_req
         detok = state.detokenizer
         assert detok is not None
+        native = None
+        if detok_reason is None:
+            if type(detok) is FastIncrementalDetokenizer:
+                sp = request.sampling_params
+                assert sp is not None
+                native = {
+                    "prompt_token_ids": request.prompt_token_ids,
+                    "skip_special_tokens": sp.skip_special_tokens,
+                    "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+                    "stop": detok.stop,
+                    "include_stop_str_in_output": detok.include_stop_str_in_output,
+                    "min_tokens": detok.min_tokens,
+                }
+            else:
+                detok_reason = "no_detokenize" if type(detok) is IncrementalDetokenizer else "detokenizer_class"
         return {
+            "native": native,
+            "detok_reason": detok_reason,
             "detokenizer": detok,
             "output_kind": _OUTPUT_KIND_CODE[state.output_kind],
             "stream_interval": state.stream_interval,

@@ -9,14 +9,24 @@
 //! needing features whose semantics live in vLLM's Python objects (logprobs,
 //! pooling, streaming input, routed experts, ...) run vLLM's own per-request step
 //! in Python (`fallback`), counted by reason.
+//!
+//! A fast request detokenizes natively (`Detok::Native`, rust/src/detok.rs) when
+//! the processor has a native vocabulary and the request's parameters are
+//! supported; otherwise with vLLM's Python detokenizer (`Detok::Python`). The
+//! native path never touches the Python `RequestState` per step; when a native
+//! request must leave the fast path, its ids are replayed into the stock
+//! detokenizer first (`adopt_native`), so vLLM's Python code continues exactly.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
+use crate::detok::py::PyVocab;
+use crate::detok::{supports, DetokError, DetokParams, DetokState, Vocab};
 use crate::eco::{EcoReader, F};
 use crate::table::{FxMap, MissSet, Table};
 
@@ -31,11 +41,43 @@ enum OutKind {
     FinalOnly,
 }
 
-/// Where the incremental detokenization of a fast request happens. The native
-/// Rust detokenizer (issue 6) becomes a second variant.
+/// Where the incremental detokenization of a fast request happens.
 enum Detok {
     /// vLLM's Python `IncrementalDetokenizer` (or a subclass).
     Python(Py<PyAny>),
+    /// The native detokenizer + stop strings.
+    Native(Box<Native>),
+}
+
+struct Native {
+    st: DetokState,
+    /// The output ids as the engine's Python ints, when outputs hand out more
+    /// than this step's list: CUMULATIVE gives this same growing list each step
+    /// (as stock gives the detokenizer's), stream_interval > 1 slices it.
+    ids: Option<Py<PyList>>,
+}
+
+fn detok_err(e: DetokError) -> PyErr {
+    match e {
+        DetokError::Load(m) => PyValueError::new_err(m),
+        DetokError::Decode(m) => pyo3::exceptions::PyRuntimeError::new_err(m),
+    }
+}
+
+/// Token ids of one step as u32; an id that is no u32 decodes to nothing, as
+/// vLLM's `_protected_step` logs and skips it (it still counts as a token).
+fn read_ids(ids: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
+    out.clear();
+    if let Ok(l) = ids.cast::<PyList>() {
+        for x in l.iter() {
+            out.push(x.extract::<u32>().unwrap_or(u32::MAX));
+        }
+    } else {
+        for x in ids.try_iter()? {
+            out.push(x?.extract::<u32>().unwrap_or(u32::MAX));
+        }
+    }
+    Ok(())
 }
 
 struct Fast {
@@ -62,6 +104,12 @@ struct Queue {
     /// here; otherwise we call `obj.put`.
     exact: bool,
     aggregate: bool,
+    /// An exact collector's `__dict__` (`output` and `ready` are plain instance
+    /// attributes), and its `ready` event with the event's `__dict__` when that
+    /// is exactly `asyncio.Event`: reading and setting them directly skips the
+    /// attribute protocol and, when nobody waits, `Event.set`'s Python frame.
+    dict: Option<Py<PyDict>>,
+    ready: Option<(Py<PyAny>, Py<PyDict>)>,
 }
 
 struct Req {
@@ -87,6 +135,7 @@ struct Classes {
     completion_output: Py<PyType>,
     collector: Py<PyType>,
     weight_span: Py<PyType>,
+    event: Py<PyType>,
     finish_strs: Vec<Py<PyString>>,
     finish_objs: Vec<Py<PyAny>>,
 }
@@ -96,6 +145,8 @@ struct Helpers {
     abort_output: Py<PyAny>,
     error_output: Py<PyAny>,
     finished_stats: Py<PyAny>,
+    /// `adopt_native(state, output_token_ids, last_output_text_offset)`.
+    adopt_native: Py<PyAny>,
 }
 
 #[pyclass(module = "vllm_mmretry._core")]
@@ -112,6 +163,12 @@ pub struct OutputCore {
     fast_steps: u64,
     fallback_steps: u64,
     invalidations: u64,
+    /// The tokenizer, loaded natively once per processor (None: Python detokenizer).
+    vocab: Option<Arc<Vocab>>,
+    native_requests: u64,
+    /// Fast requests detokenized in Python, by reason.
+    python_detok: BTreeMap<String, u64>,
+    ids_buf: Vec<u32>,
 }
 
 macro_rules! s {
@@ -153,15 +210,19 @@ fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
 impl OutputCore {
     fn put<'py>(&self, py: Python<'py>, q: &Queue, out: &Bound<'py, PyAny>) -> PyResult<()> {
         let obj = q.obj.bind(py);
-        if !q.exact {
+        let Some(d) = q.dict.as_ref().filter(|_| q.exact) else {
             obj.call_method1(s!(py, "put"), (out,))?;
             return Ok(());
-        }
+        };
         // RequestOutputCollector.put, inlined for the RequestOutput case.
-        let cur = obj.getattr(s!(py, "output"))?;
+        let d = d.bind(py);
+        let cur = match d.get_item(s!(py, "output"))? {
+            Some(c) => c,
+            None => obj.getattr(s!(py, "output"))?,
+        };
         if cur.is_none() {
-            obj.setattr(s!(py, "output"), out)?;
-            obj.getattr(s!(py, "ready"))?.call_method0(s!(py, "set"))?;
+            d.set_item(s!(py, "output"), out)?;
+            Self::set_ready(py, q, d)?;
         } else if cur.is_instance(self.cls.request_output.bind(py))? {
             cur.call_method1(s!(py, "add"), (out, q.aggregate))?;
             // The merged output keeps a terminal error even where RequestOutput.add
@@ -171,6 +232,30 @@ impl OutputCore {
                 cur.setattr(s!(py, "error"), err)?;
             }
         }
+        Ok(())
+    }
+
+    /// `collector.ready.set()`: with no waiter, `Event.set` only sets `_value`.
+    fn set_ready(py: Python<'_>, q: &Queue, d: &Bound<'_, PyDict>) -> PyResult<()> {
+        let ready = match d.get_item(s!(py, "ready"))? {
+            Some(r) => r,
+            None => q.obj.bind(py).getattr(s!(py, "ready"))?,
+        };
+        if let Some((ev, evd)) = &q.ready {
+            if ready.is(ev) {
+                let evd = evd.bind(py);
+                if let (Some(v), Some(w)) = (evd.get_item(s!(py, "_value"))?, evd.get_item(s!(py, "_waiters"))?) {
+                    if v.is_truthy()? {
+                        return Ok(());
+                    }
+                    if w.len()? == 0 {
+                        evd.set_item(s!(py, "_value"), true)?;
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        ready.call_method0(s!(py, "set"))?;
         Ok(())
     }
 
@@ -209,14 +294,67 @@ impl OutputCore {
         Ok(())
     }
 
+    /// A native detokenizer for a new request, or the reason it cannot have one.
+    /// `n`: {prompt_token_ids, skip_special_tokens, spaces_between_special_tokens,
+    /// stop, include_stop_str_in_output, min_tokens}.
+    fn native_detok(
+        &self,
+        py: Python<'_>,
+        vocab: Arc<Vocab>,
+        n: &Bound<'_, PyDict>,
+        kind: OutKind,
+        stream_interval: usize,
+    ) -> PyResult<Result<Native, &'static str>> {
+        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+            n.get_item(k)?.ok_or_else(|| PyKeyError::new_err(format!("native info lacks {k:?}")))
+        };
+        let prompt = get("prompt_token_ids")?;
+        let mut prompt_ids = Vec::with_capacity(prompt.len().unwrap_or(0));
+        for x in prompt.try_iter()? {
+            match x?.extract::<u32>() {
+                Ok(id) => prompt_ids.push(id),
+                Err(_) => return Ok(Err("token_id_out_of_range")),
+            }
+        }
+        let stop = get("stop")?;
+        let stop: Vec<String> = if stop.is_none() { Vec::new() } else { stop.extract()? };
+        let params = DetokParams {
+            skip_special_tokens: get("skip_special_tokens")?.is_truthy()?,
+            spaces_between_special_tokens: get("spaces_between_special_tokens")?.is_truthy()?,
+            stop,
+            include_stop_str_in_output: get("include_stop_str_in_output")?.is_truthy()?,
+            min_tokens: get("min_tokens")?.extract()?,
+        };
+        if let Err(r) = supports(&params) {
+            return Ok(Err(r.label()));
+        }
+        let ids = (kind != OutKind::Delta || stream_interval > 1).then(|| PyList::empty(py).unbind());
+        Ok(Ok(Native { st: DetokState::new(vocab, &prompt_ids, params), ids }))
+    }
+
     fn demote(&mut self, py: Python<'_>, slot: usize, reason: &str) -> PyResult<()> {
         let req = self.table.get_mut(slot).unwrap();
         Self::sync_state(py, req)?;
+        self.helpers.adopt(py, req)?;
         req.mode = Mode::Fallback;
         *self.fallbacks.entry(reason.to_owned()).or_default() += 1;
         Ok(())
     }
 
+}
+
+impl Helpers {
+    /// Bring the stock detokenizer of a native request up to date (replaying its
+    /// ids), so vLLM's Python code can take over. The request stays as it is.
+    fn adopt(&self, py: Python<'_>, req: &Req) -> PyResult<()> {
+        if let Mode::Fast(f) = &req.mode {
+            if let Detok::Native(nd) = &f.detok {
+                let ids = PyList::new(py, nd.st.output_token_ids())?;
+                self.adopt_native.bind(py).call1((req.state.bind(py), ids, nd.st.last_output_offset()))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Classes {
@@ -250,23 +388,31 @@ impl Classes {
         if !finished && f.kind == OutKind::FinalOnly {
             return Ok(None);
         }
-        let Detok::Python(detok) = &f.detok;
-        let detok = detok.bind(py);
         let delta = f.kind == OutKind::Delta;
         let mut token_ids = new_ids;
         if f.stream_interval > 1 {
             if !(finished || f.sent_offset == 0 || f.n_out - f.sent_offset >= f.stream_interval) {
                 return Ok(None);
             }
-            if delta {
-                let all = detok.getattr(s!(py, "output_token_ids"))?;
+        }
+        let (text, all_ids) = match &mut f.detok {
+            Detok::Python(detok) => {
+                let detok = detok.bind(py);
+                let all = if f.stream_interval > 1 || !delta { Some(detok.getattr(s!(py, "output_token_ids"))?) } else { None };
+                (detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?, all)
+            }
+            Detok::Native(nd) => {
+                let text = PyString::new(py, nd.st.output_text_ref(finished, delta)).into_any();
+                (text, nd.ids.as_ref().map(|l| l.bind(py).clone().into_any()))
+            }
+        };
+        if let Some(all) = all_ids {
+            if !delta {
+                token_ids = all;
+            } else if f.stream_interval > 1 {
                 token_ids = all.get_item(pyo3::types::PySlice::new(py, f.sent_offset as isize, isize::MAX, 1))?;
                 f.sent_offset = f.n_out;
             }
-        }
-        let text = detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?;
-        if !delta {
-            token_ids = detok.getattr(s!(py, "output_token_ids"))?;
         }
         let co = copy_dict(f.co_template.bind(py))?;
         co.set_item(s!(py, "text"), text)?;
@@ -293,13 +439,19 @@ impl Classes {
                 outs
             }
         };
+        // The template holds finished=False, no transfer params and the current
+        // cached-token counts (written when prefill ends).
         let ro = copy_dict(f.ro_template.bind(py))?;
         ro.set_item(s!(py, "outputs"), outputs)?;
-        ro.set_item(s!(py, "finished"), finished)?;
-        ro.set_item(s!(py, "kv_transfer_params"), kv)?;
-        ro.set_item(s!(py, "ec_transfer_params"), ec)?;
-        ro.set_item(s!(py, "num_cached_tokens"), req.num_cached_tokens.bind(py))?;
-        ro.set_item(s!(py, "num_cache_creation_tokens"), req.num_cache_creation_tokens.bind(py))?;
+        if finished {
+            ro.set_item(s!(py, "finished"), true)?;
+        }
+        if !kv.is_none() {
+            ro.set_item(s!(py, "kv_transfer_params"), kv)?;
+        }
+        if !ec.is_none() {
+            ro.set_item(s!(py, "ec_transfer_params"), ec)?;
+        }
         Ok(Some(new_with_dict(self.request_output.bind(py), ro)?))
     }
 }
@@ -502,6 +654,7 @@ impl OutputCore {
     ) -> PyResult<()> {
         let req = self.table.get(slot).unwrap();
         Self::sync_state(py, req)?;
+        self.helpers.adopt(py, req)?;
         // The error output is built by vLLM-aware Python code (rare path); it
         // also runs the iteration-stats update for this output.
         let out = self.helpers.error_output.bind(py).call1((req.state.bind(py), eco, ts, iteration_stats, weight_version, self.lora_states.bind(py)))?;
@@ -566,6 +719,11 @@ impl OutputCore {
                 req.num_cached_tokens = r.clone_ref(py);
             }
             req.is_prefilling = false;
+            if let Mode::Fast(f) = &req.mode {
+                let t = f.ro_template.bind(py);
+                t.set_item(s!(py, "num_cached_tokens"), req.num_cached_tokens.bind(py))?;
+                t.set_item(s!(py, "num_cache_creation_tokens"), req.num_cache_creation_tokens.bind(py))?;
+            }
         }
         let Mode::Fast(f) = &mut req.mode else { unreachable!() };
         if !spec.is_none() {
@@ -583,14 +741,38 @@ impl OutputCore {
         }
 
         // 2) Detokenize and check stop strings.
-        let Detok::Python(detok) = &f.detok;
-        let detok = detok.bind(py);
-        let stop = detok.call_method1(s!(py, "update"), (&new_ids, fr == Some(STOP)))?;
-        if stop.is_truthy()? {
+        let stop_terminated = fr == Some(STOP);
+        let (stop, n_now): (Option<Bound<'py, PyAny>>, usize) = match &mut f.detok {
+            Detok::Python(detok) => {
+                let detok = detok.bind(py);
+                let stop = detok.call_method1(s!(py, "update"), (&new_ids, stop_terminated))?;
+                if stop.is_truthy()? {
+                    let n_now: usize = detok.call_method0(s!(py, "num_output_tokens"))?.extract()?;
+                    (Some(stop), n_now)
+                } else {
+                    (None, f.n_out + n_new)
+                }
+            }
+            Detok::Native(nd) => {
+                read_ids(&new_ids, &mut self.ids_buf)?;
+                let stop = nd.st.update(&self.ids_buf, stop_terminated).map_err(detok_err)?;
+                let n_now = nd.st.num_output_tokens();
+                if let Some(l) = &nd.ids {
+                    let l = l.bind(py);
+                    for x in new_ids.try_iter()? {
+                        l.append(x?)?;
+                    }
+                    if l.len() > n_now {
+                        l.del_slice(n_now, l.len())?;
+                    }
+                }
+                (stop.map(|s| PyString::new(py, &s).into_any()), n_now)
+            }
+        };
+        if let Some(stop) = stop {
             fr = Some(STOP);
             fr_obj = self.cls.finish_objs[STOP as usize].bind(py).clone();
             stop_reason = stop;
-            let n_now: usize = detok.call_method0(s!(py, "num_output_tokens"))?.extract()?;
             let kept = n_now.saturating_sub(f.n_out);
             if n_new > kept {
                 // Drop tokens past the stop string (vLLM's _trim_surplus_tokens).
@@ -599,10 +781,8 @@ impl OutputCore {
                     return Err(PyErr::fetch(py));
                 }
             }
-            f.n_out = n_now;
-        } else {
-            f.n_out += n_new;
         }
+        f.n_out = n_now;
 
         // 3) Build and hand over the output.
         let out = {
@@ -663,8 +843,8 @@ impl OutputCore {
     /// `helpers`: (fallback_step, abort_output, error_output, finished_stats).
     #[new]
     fn new(py: Python<'_>, classes: &Bound<'_, PyTuple>, helpers: &Bound<'_, PyTuple>, lora_states: Py<PyAny>) -> PyResult<Self> {
-        if classes.len() != 6 || helpers.len() != 4 {
-            return Err(PyValueError::new_err("OutputCore(classes: 6-tuple, helpers: 4-tuple, lora_states)"));
+        if classes.len() != 6 || helpers.len() != 5 {
+            return Err(PyValueError::new_err("OutputCore(classes: 6-tuple, helpers: 5-tuple, lora_states)"));
         }
         let ty = |i: usize| -> PyResult<Bound<'_, PyType>> {
             Ok(classes.get_item(i)?.cast_into::<PyType>().map_err(|_| PyTypeError::new_err(format!("classes[{i}] must be a class")))?)
@@ -699,10 +879,17 @@ impl OutputCore {
                 completion_output: ty(2)?.unbind(),
                 collector: ty(3)?.unbind(),
                 weight_span: ty(4)?.unbind(),
+                event: py.import("asyncio")?.getattr("Event")?.cast_into::<PyType>()?.unbind(),
                 finish_strs,
                 finish_objs,
             },
-            helpers: Helpers { fallback_step: call(0)?, abort_output: call(1)?, error_output: call(2)?, finished_stats: call(3)? },
+            helpers: Helpers {
+                fallback_step: call(0)?,
+                abort_output: call(1)?,
+                error_output: call(2)?,
+                finished_stats: call(3)?,
+                adopt_native: call(4)?,
+            },
             lora_states,
             mm_cache_source: None,
             misses: MissSet::default(),
@@ -710,6 +897,10 @@ impl OutputCore {
             fast_steps: 0,
             fallback_steps: 0,
             invalidations: 0,
+            vocab: None,
+            native_requests: 0,
+            python_detok: BTreeMap::new(),
+            ids_buf: Vec::new(),
         })
     }
 
@@ -717,6 +908,23 @@ impl OutputCore {
     #[getter]
     fn fast_field_reads(&self) -> bool {
         self.eco.fast()
+    }
+
+    /// The native vocabulary fast requests detokenize with (None: vLLM's Python
+    /// detokenizer). Applies to requests added afterwards.
+    #[setter]
+    fn set_native_vocab(&mut self, vocab: Option<Bound<'_, PyVocab>>) {
+        self.vocab = vocab.map(|v| v.get().inner.clone());
+    }
+    #[getter]
+    fn get_has_native_vocab(&self) -> bool {
+        self.vocab.is_some()
+    }
+
+    /// Whether a tracked request detokenizes natively.
+    fn is_native(&self, request_id: &str) -> PyResult<bool> {
+        let r = self.table.by_id(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+        Ok(matches!(&r.mode, Mode::Fast(f) if matches!(f.detok, Detok::Native(_))))
     }
 
     /// P0's sender cache (has `invalidate`) or an object whose
@@ -755,10 +963,24 @@ impl OutputCore {
             None => None,
             Some(q) => {
                 let exact = q.get_type().is(self.cls.collector.bind(py));
+                let dict = if exact { q.getattr("__dict__")?.cast_into::<PyDict>().ok() } else { None };
+                let ready = match &dict {
+                    Some(_) => {
+                        let r = q.getattr("ready")?;
+                        if r.get_type().is(self.cls.event.bind(py)) {
+                            r.getattr("__dict__")?.cast_into::<PyDict>().ok().map(|d| (r.unbind(), d.unbind()))
+                        } else {
+                            None
+                        }
+                    }
+                    None => None,
+                };
                 Some(Queue {
                     obj: q.clone().unbind(),
                     exact,
                     aggregate: if exact { q.getattr("aggregate")?.extract()? } else { false },
+                    dict: dict.map(|d| d.unbind()),
+                    ready,
                 })
             }
         };
@@ -778,10 +1000,36 @@ impl OutputCore {
                     k => return Err(PyValueError::new_err(format!("unknown output_kind {k}"))),
                 };
                 let si: i64 = get("stream_interval")?.extract()?;
+                let stream_interval = si.max(1) as usize;
+                let native = match d.get_item("native")? {
+                    Some(n) if !n.is_none() => Some(n.cast_into::<PyDict>()?),
+                    _ => None,
+                };
+                let detok = match (native, &self.vocab) {
+                    (Some(n), Some(vocab)) => match self.native_detok(py, vocab.clone(), &n, kind, stream_interval)? {
+                        Ok(nd) => {
+                            self.native_requests += 1;
+                            Detok::Native(Box::new(nd))
+                        }
+                        Err(reason) => {
+                            *self.python_detok.entry(reason.to_owned()).or_default() += 1;
+                            Detok::Python(get("detokenizer")?.unbind())
+                        }
+                    },
+                    (native, _) => {
+                        let reason = match (native, d.get_item("detok_reason")?) {
+                            (_, Some(r)) if !r.is_none() => r.extract::<String>()?,
+                            (Some(_), _) => "no_native_vocab".to_owned(),
+                            _ => "unspecified".to_owned(),
+                        };
+                        *self.python_detok.entry(reason).or_default() += 1;
+                        Detok::Python(get("detokenizer")?.unbind())
+                    }
+                };
                 Mode::Fast(Box::new(Fast {
-                    detok: Detok::Python(get("detokenizer")?.unbind()),
+                    detok,
                     kind,
-                    stream_interval: si.max(1) as usize,
+                    stream_interval,
                     sent_offset: 0,
                     n_out: get("num_output_tokens")?.extract()?,
                     ro_template: get("ro_template")?.cast_into::<PyDict>()?.unbind(),
@@ -973,6 +1221,12 @@ impl OutputCore {
             fb.set_item(k, v)?;
         }
         d.set_item("fallbacks", fb)?;
+        d.set_item("native_detok", self.native_requests)?;
+        let pd = PyDict::new(py);
+        for (k, v) in &self.python_detok {
+            pd.set_item(k, v)?;
+        }
+        d.set_item("python_detok", pd)?;
         Ok(d)
     }
     fn is_fast(&self, request_id: &str) -> PyResult<bool> {

@@ -583,6 +583,11 @@ impl DetokState {
         &self.output_text
     }
 
+    /// Code points already handed out as deltas (vLLM's `_last_output_text_offset`).
+    pub fn last_output_offset(&self) -> usize {
+        self.last_output_chars
+    }
+
     /// `_protected_step` + the spaces_between_special_tokens rule; appends to `piece`.
     fn decode_next(&mut self, id: u32) -> Result<(), DetokError> {
         self.piece.clear();
