@@ -18,6 +18,7 @@ import base64
 import contextlib
 import io
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -284,6 +285,27 @@ class InProcessServer:
                 data = line[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
         return resp.status_code, events
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def retry_log_lines() -> Iterator[list[str]]:
+    """The messages the retry module logs while the block runs."""
+    handler = _Lines()
+    log = logging.getLogger("vllm.vllm_mmretry.retry")
+    log.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
 
 
 @contextlib.contextmanager

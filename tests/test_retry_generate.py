@@ -6,7 +6,6 @@ the tiny LLaVA. Faults are injected at the engine-output boundary
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retry_support import Fault, InProcessServer, image_messages, in_process_server
+from retry_support import (Fault, InProcessServer, image_messages, in_process_server,
+                           retry_log_lines)
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
@@ -33,22 +33,10 @@ def fresh(server: InProcessServer) -> Iterator[None]:
     server.faults.clear()
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
 def retry_log() -> Iterator[list[str]]:
-    handler = _Lines()
-    log = logging.getLogger("vllm.vllm_mmretry.retry")
-    log.addHandler(handler)
-    yield handler.lines
-    log.removeHandler(handler)
+    with retry_log_lines() as lines:
+        yield lines
 
 
 def chat_body(rid: str, text: str = "describe the picture", seed: int = 0,

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from retry_support import Fault, InProcessServer, image_messages, in_process_server, png_data_url
+from retry_support import (Fault, InProcessServer, image_messages, in_process_server,
+                           png_data_url, retry_log_lines)
 
 EMBED, COHERE = "/v1/embeddings", "/v2/embed"
 
@@ -62,7 +63,10 @@ def test_first_miss_recovers_identically(server: InProcessServer, path: str) -> 
     assert len(reference) == 1 and len(reference[0]) == 64
     server.faults.clear()
     fault = server.faults.add(Fault("pmiss"))
-    got = vectors(path, post(server, path, "pmiss"))
+    with retry_log_lines() as log:
+        got = vectors(path, post(server, path, "pmiss"))
+    assert len(log) == 1 and "vllm-mmretry: retrying request embd-pmiss" in log[0]
+    assert path in log[0] and "multimodal_cache_miss" in log[0]
     assert got == reference
     assert len(fault.hits) == 1
     assert len(server.faults.submitted) == 2
@@ -73,7 +77,10 @@ def test_first_miss_recovers_identically(server: InProcessServer, path: str) -> 
 @pytest.mark.parametrize("path", [EMBED, COHERE])
 def test_second_failure_is_503_with_retry_headers(server: InProcessServer, path: str) -> None:
     server.faults.add(Fault("ptwice", times=2))
-    resp = post(server, path, "ptwice")
+    with retry_log_lines() as log:
+        resp = post(server, path, "ptwice")
+    assert len(log) == 2 and "vllm-mmretry: retrying" in log[0]
+    assert "failed again" in log[1] and "embd-ptwice" in log[1]
     assert resp.status_code == 503, resp.text
     assert resp.headers["retry-after"] == "1" and resp.headers["x-should-retry"] == "true"
     assert resp.json()["error"]["type"] == "ServiceUnavailableError"
