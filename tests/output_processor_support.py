@@ -32,6 +32,8 @@ class ReqSpec:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -39,6 +41,8 @@ class ReqSpec:
             include_stop_str_in_output=self.include_stop, stream_interval=self.stream_interval,
             logprobs=self.logprobs, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, detokenize=self.detokenize,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            stop_token_ids=self.stop_token_ids,
         )
 
 

@@ -2,7 +2,12 @@
 with the same hypothesis-generated requests and EngineCoreOutput streams (built
 twice, once per side: the processors mutate them). Every output field, the
 collector contents, reqs_to_abort, abort results, counts and iteration stats
-must match: no multimodal misses here, so nothing is meant to differ."""
+must match: no multimodal misses here, so nothing is meant to differ.
+
+Run on two real vocabularies (the tiny model's Llama SentencePiece with byte
+fallback, and Mistral's Tekken byte-level BPE), with the native detokenizer on
+and forced off. Steps carry up to 5 tokens (speculative decoding), so stop
+strings land mid-step; byte tokens split UTF-8 characters across tokens."""
 
 from __future__ import annotations
 
@@ -25,16 +30,46 @@ from vllm.v1.engine.output_processor import OutputProcessor as StockOP
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
 
-STOPS = ["fox", " the", "\n", "og.", "zz", "ab"]
-TEXT = "The quick brown fox jumps over the lazy dog.\nA cab of zzz, the end. Ünïcode 東京 ✓"
+STOPS = ["fox", " the", "\n", "og.", "zz", "ab", "京 ✓", "é"]
+TEXT = "The quick brown fox jumps over the lazy dog.\nA cab of zzz, the end. Ünïcode 東京 ✓ café"
+SPLIT = "東✓é"  # characters also fed as single UTF-8 byte tokens
 KINDS = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_tokenizer: Any) -> list[int]:
-    ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
-    # Plus BOS/EOS and the <image> added token: special-token handling differs.
-    return sorted(set(ids)) + [1, 2, 32000]
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable char map (byte-level BPE token spelling)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@pytest.fixture(scope="module", params=["llama", "tekken"])
+def tokenizer_and_vocab(request: pytest.FixtureRequest) -> tuple[Any, list[int], list[int]]:
+    """(vLLM tokenizer, token ids the streams draw from): the text's tokens, the
+    special/added ones (BOS/EOS, Llama's <image>), and single-byte tokens."""
+    if request.param == "llama":
+        tok = request.getfixturevalue("tiny_tokenizer")
+        byte_token = lambda b: f"<0x{b:02X}>"  # noqa: E731
+    else:
+        from tekken_tokenizer import ensure_tekken_tokenizer
+        from vllm.tokenizers import get_tokenizer
+
+        tok = get_tokenizer(str(ensure_tekken_tokenizer()))
+        chars = _byte_level_chars()
+        byte_token = lambda b: chars[b]  # noqa: E731
+    ids = set(tok.encode(TEXT, add_special_tokens=False))
+    ids |= {tok.convert_tokens_to_ids(byte_token(b)) for b in SPLIT.encode()}
+    special = sorted(set(tok.all_special_ids))[:3] + ([32000] if request.param == "llama" else [])
+    assert len(ids) > 20 and all(isinstance(i, int) for i in ids)
+    # The text itself as a stream (split chars as byte tokens): stop strings match often.
+    stream = tok.encode(TEXT, add_special_tokens=False) + [tok.convert_tokens_to_ids(byte_token(b)) for b in SPLIT.encode()]
+    return tok, sorted(ids) + special, stream
 
 
 def _specs(data: st.DataObject, vocab: list[int]) -> list[ReqSpec]:
@@ -50,29 +85,40 @@ def _specs(data: st.DataObject, vocab: list[int]) -> list[ReqSpec]:
             include_stop=data.draw(st.booleans()),
             stream_interval=data.draw(st.sampled_from([None, None, 2, 3])),
             logprobs=data.draw(st.sampled_from([None, None, None, 0, 2])),
-            min_tokens=data.draw(st.sampled_from([0, 0, 2])),
+            min_tokens=data.draw(st.sampled_from([0, 0, 2, 4])),
             skip_special_tokens=data.draw(st.booleans()),
+            spaces_between_special_tokens=data.draw(st.booleans()),
+            stop_token_ids=data.draw(st.sampled_from([None, None, vocab[:2]])),
             detokenize=data.draw(st.sampled_from([True, True, True, False])),
         ))
     return specs
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.mark.parametrize("native", [True, False], ids=["native_detok", "python_detok"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_same_outputs_as_stock(tiny_tokenizer: Any, vocab: list[int], data: st.DataObject) -> None:
+def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject) -> None:
+    tokenizer, vocab, stream = tokenizer_and_vocab
+    cursor: dict[str, int] = {}
     async_mode = data.draw(st.booleans(), label="async_mode")
     log_stats = data.draw(st.booleans(), label="log_stats")
     interval = data.draw(st.sampled_from([1, 1, 2]), label="engine_stream_interval")
-    stock = Side(StockOP(tiny_tokenizer, log_stats=log_stats, stream_interval=interval), async_mode)
-    ours = Side(OurOP(tiny_tokenizer, log_stats=log_stats, stream_interval=interval), async_mode)
+    stock = Side(StockOP(tokenizer, log_stats=log_stats, stream_interval=interval), async_mode)
+    ours = Side(OurOP(tokenizer, log_stats=log_stats, stream_interval=interval, native_detok=native), async_mode)
     specs = _specs(data, vocab)
+
     live: list[str] = []
     logprobs_of: dict[str, int | None] = {}
+    # The detokenizer really is the one asked for: every fast request that
+    # detokenizes runs natively (or none does).
     for spec in specs:
         ids = stock.add(spec)
         assert ours.add(spec) == ids
         live += ids
         logprobs_of.update({cid: spec.logprobs for cid in ids})
+    fast_detok = [cid for s in specs if s.detokenize and s.logprobs is None for cid in ours.children[s.request_id]]
+    assert all(ours.op._core.is_native(cid) == native for cid in fast_detok)
+    assert ours.op.counters()["native_detok"] == (len(fast_detok) if native else 0)
     parents = [s.request_id for s in specs if s.n > 1]
     externals = sorted({s.external_id for s in specs})
 
@@ -106,7 +152,14 @@ def test_same_outputs_as_stock(tiny_tokenizer: Any, vocab: list[int], data: st.D
             chosen = [r for r in live if data.draw(st.booleans())]
             plan = []
             for rid in chosen:
-                toks = data.draw(st.lists(st.sampled_from(vocab), min_size=0, max_size=3))
+                if data.draw(st.booleans()):
+                    # Next tokens of the text, from a random start per request.
+                    at = cursor.setdefault(rid, data.draw(st.integers(0, len(stream) - 1)))
+                    k = data.draw(st.integers(0, 5))
+                    toks = [stream[(at + j) % len(stream)] for j in range(k)]
+                    cursor[rid] = at + k
+                else:
+                    toks = data.draw(st.lists(st.sampled_from(vocab), min_size=0, max_size=5))
                 fin = data.draw(st.sampled_from([None] * 6 + [FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]))
                 stop_reason = toks[-1] if (fin == FinishReason.STOP and toks and data.draw(st.booleans())) else None
                 if fin is not None and not toks and fin != FinishReason.ABORT:
