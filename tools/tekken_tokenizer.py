@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import pathlib
-import shutil
 import sys
-import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CACHE = pathlib.Path(os.environ.get("VLLM_MMRETRY_CACHE", ROOT / ".cache"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from tiny_model import CACHE, build_cached  # noqa: E402
 VOCAB_SIZE = 131072
 
 
@@ -45,18 +42,9 @@ def _build(out: pathlib.Path) -> None:
 
 
 def ensure_tekken_tokenizer() -> pathlib.Path:
-    """Folder of the converted Tekken tokenizer, built (atomically) if not there yet."""
-    out = CACHE / "tokenizers" / f"tekken-240911-{_key()}"
-    if (out / "tokenizer.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
-    _build(tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """Folder of the converted Tekken tokenizer, built if it is not there yet."""
+    return build_cached(CACHE / "tokenizers" / f"tekken-240911-{_key()}", _build,
+                        "tokenizer.json")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = pathlib.Path(os.environ.get("VLLM_MMRETRY_CACHE", ROOT / ".cache"))
@@ -95,19 +96,26 @@ def _build(out: pathlib.Path) -> None:
     tok.save_pretrained(out)
 
 
-def ensure_tiny_model() -> pathlib.Path:
-    """Folder of the tiny model, built (atomically) if it is not there yet."""
-    out = CACHE / "models" / f"tiny-llava-{_key()}"
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+def build_cached(out: pathlib.Path, build: Callable[[pathlib.Path], None],
+                 *needed: str) -> pathlib.Path:
+    """`out`, built by `build` into a temporary sibling and renamed into place
+    (atomic, so concurrent test processes never see half a folder)."""
+    if all((out / name).exists() for name in needed):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
-    _build(tmp)
+    build(tmp)
     try:
         tmp.rename(out)
     except OSError:  # another process built it first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def ensure_tiny_model() -> pathlib.Path:
+    """Folder of the tiny model, built if it is not there yet."""
+    return build_cached(CACHE / "models" / f"tiny-llava-{_key()}", _build,
+                        "model.safetensors", "tokenizer.json")
 
 
 if __name__ == "__main__":
