@@ -2,12 +2,14 @@
 synthetic decode streams, in one run.
 
 Every request gets one new token per step, DELTA streaming, detokenization on,
-AsyncLLM mode (one RequestOutputCollector per request, drained every step).
+AsyncLLM mode (one RequestOutputCollector per request, drained every step),
+with the start-up heap frozen as vLLM's API server does (`freeze_gc_heap`).
 Variants: plain decode, two stop strings, n=4 (batch counts child requests).
 Prints a table and one JSON line per row (µs per request-step, medians), then
-the RSS of this process after 1M request-steps through our processor.
+the current RSS (/proc/self/statm) of this process before and after 1M
+request-steps through our processor (after a warm-up), which should be flat.
 
-Usage: python benches/bench_output_loop.py [--quick] [--tokenizer DIR]
+Usage: python benches/bench_output_loop.py [--quick] [--tokenizer DIR] [--python-detok]
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import gc
+import os
 import random
-import resource
 import statistics
 import sys
 import time
@@ -31,6 +34,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest  # noqa: E402
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP  # noqa: E402
 from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
+from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP  # noqa: E402
 
@@ -44,8 +48,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+OUR_KW: dict[str, Any] = {}
+
+
 def _setup(cls: type, tok: Any, ids: list[int], batch: int, stop: list[str] | None, n: int) -> tuple[Any, list, list[str]]:
-    op = cls(tok, log_stats=False)
+    op = cls(tok, log_stats=False, **(OUR_KW if cls is OurOP else {}))
     collectors: list[RequestOutputCollector] = []
     child_ids: list[str] = []
     for p in range(batch // n):
@@ -87,38 +94,66 @@ def run(cls: type, tok: Any, ids: list[int], batch: int, steps: int, stop: list[
         times.append(time.perf_counter() - t0)
         for q in collectors:
             q.get_nowait()
+    if cls is OurOP:
+        c = op.counters()  # every request ran the fast loop, with the detokenizer asked for
+        assert c["fallback_steps"] == 0 and c["native_detok"] == (0 if OUR_KW else len(child_ids)), c
     return statistics.median(times[5:])
 
 
-def rss_after(tok: Any, ids: list[int], request_steps: int, batch: int = 1024) -> float:
+def rss_mib() -> float:
+    """Current resident set size (not the peak)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def rss_run(tok: Any, ids: list[int], request_steps: int, batch: int = 1024) -> tuple[float, float]:
+    """RSS after a warm-up of 50 steps, and after `request_steps` more."""
     op, collectors, child_ids = _setup(OurOP, tok, ids, batch, None, 1)
-    for s in range(request_steps // batch):
+
+    def step(s: int) -> None:
         outs = [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(i + s) % len(ids)]])
                 for i, cid in enumerate(child_ids)]
         op.process_outputs(outs)
         for q in collectors:
             q.get_nowait()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    for s in range(50):
+        step(s)
+    gc.collect()
+    before = rss_mib()
+    for s in range(request_steps // batch):
+        step(50 + s)
+    gc.collect()
+    return before, rss_mib()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer batches/steps (smoke run)")
+    ap.add_argument("--python-detok", action="store_true", help="force vLLM's Python detokenizer in ours")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     args = ap.parse_args()
+    if args.python_detok:
+        OUR_KW["native_detok"] = False
     if args.tokenizer is None:
         from tiny_model import ensure_tiny_model
 
         args.tokenizer = str(ensure_tiny_model())
     tok = get_tokenizer(args.tokenizer)
     ids = tok.encode(TEXT, add_special_tokens=False)
+    # As vLLM's API server does after start-up (the output loop runs there):
+    # the start-up heap is frozen so full collections skip it.
+    freeze_gc_heap()
     batches = (64, 1024) if args.quick else (64, 256, 1024, 4096)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
     print(f"{'variant':8s} {'batch':>6s} {'stock_us':>9s} {'ours_us':>9s} {'ratio':>6s}")
     rows = []
-    for variant, cfg in VARIANTS.items():
+    for variant in args.variants.split(","):
+        cfg = VARIANTS[variant]
         for b in batches:
-            if variant != "plain" and b not in (256, 1024) and not args.quick:
-                continue
             steps = 12 if args.quick else (60 if b < 4096 else 25)
             stock = run(StockOP, tok, ids, b, steps, **cfg)
             ours = run(OurOP, tok, ids, b, steps, **cfg)
@@ -129,8 +164,8 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row))
     total = 100_000 if args.quick else 1_000_000
-    rss = rss_after(tok, ids, total)
-    print(json.dumps({"rss_mib_after_request_steps": round(rss, 1), "request_steps": total}))
+    before, after = rss_run(tok, ids, total)
+    print(json.dumps({"rss_mib_before": round(before, 1), "rss_mib_after": round(after, 1), "request_steps": total}))
 
 
 if __name__ == "__main__":
