@@ -116,6 +116,8 @@ struct Req {
     id: Py<PyString>,
     state: Py<PyAny>,
     parent: Option<Py<PyAny>>,
+    /// `parent.child_requests` (a set vLLM never rebinds).
+    siblings: Option<Py<PyAny>>,
     queue: Option<Queue>,
     lora_name: Py<PyAny>,
     stats: Py<PyAny>,
@@ -439,13 +441,21 @@ impl Classes {
         let outputs = match &req.parent {
             None => PyList::new(py, [co])?.into_any(),
             Some(parent) => {
-                let r = parent.bind(py).call_method1(s!(py, "get_outputs"), (req.id.bind(py), co))?;
-                let (outs, fin): (Bound<'py, PyAny>, bool) = r.extract()?;
-                if !outs.is_truthy()? {
-                    return Ok(None);
+                if let (None, Some(sib)) = (fr, &req.siblings) {
+                    // ParentRequest.get_outputs for an unfinished streamed child (FINAL_ONLY
+                    // returned above): this output alone; the parent is finished when no
+                    // child is left.
+                    finished = sib.bind(py).len()? == 0;
+                    PyList::new(py, [co])?.into_any()
+                } else {
+                    let r = parent.bind(py).call_method1(s!(py, "get_outputs"), (req.id.bind(py), co))?;
+                    let (outs, fin): (Bound<'py, PyAny>, bool) = r.extract()?;
+                    if !outs.is_truthy()? {
+                        return Ok(None);
+                    }
+                    finished = fin;
+                    outs
                 }
-                finished = fin;
-                outs
             }
         };
         // The template holds finished=False, no transfer params and the current
@@ -1052,6 +1062,10 @@ impl OutputCore {
             id: request_id.clone().unbind(),
             state: state.clone().unbind(),
             parent: parent.map(|p| p.clone().unbind()),
+            siblings: match parent {
+                Some(p) => Some(p.getattr("child_requests")?.unbind()),
+                None => None,
+            },
             queue,
             lora_name: state.getattr("lora_name")?.unbind(),
             stats: state.getattr("stats")?.unbind(),
