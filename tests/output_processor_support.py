@@ -138,7 +138,7 @@ def norm(o: Any) -> Any:
         None if err is None else (err.code, err.retryable),
         [
             (c.index, c.text, list(c.token_ids), c.cumulative_logprob, norm_logprobs(c.logprobs),
-             c.routed_experts, c.finish_reason, c.stop_reason, c.lora_request, c.sampling_mask,
+             None if c.routed_experts is None else np.asarray(c.routed_experts).tolist(), c.finish_reason, c.stop_reason, c.lora_request, c.sampling_mask,
              c.spec_decode_metrics, c.weight_versions)
             for c in o.outputs
         ],

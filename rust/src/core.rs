@@ -64,6 +64,15 @@ fn detok_err(e: DetokError) -> PyErr {
     }
 }
 
+/// Runs native detokenizer code so that a bug there (a panic) becomes a Python
+/// exception for this call instead of unwinding through the interpreter.
+fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        pyo3::exceptions::PyRuntimeError::new_err(format!("native detokenizer failed in {what}: {msg}"))
+    })
+}
+
 /// Token ids of one step as u32; an id that is no u32 decodes to nothing, as
 /// vLLM's `_protected_step` logs and skips it (it still counts as a token).
 fn read_ids(ids: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
@@ -340,7 +349,8 @@ impl OutputCore {
             return Ok(Err(r.label()));
         }
         let ids = (kind != OutKind::Delta || stream_interval > 1).then(|| PyList::empty(py).unbind());
-        Ok(Ok(Native { st: DetokState::new(vocab, &prompt_ids, params), ids }))
+        let st = guarded("new", || DetokState::new(vocab, &prompt_ids, params))?;
+        Ok(Ok(Native { st, ids }))
     }
 
     fn demote(&mut self, py: Python<'_>, slot: usize, reason: &str) -> PyResult<()> {
@@ -413,7 +423,8 @@ impl Classes {
                 (detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?, all)
             }
             Detok::Native(nd) => {
-                let text = PyString::new(py, nd.st.output_text_ref(finished, delta)).into_any();
+                let st = &mut nd.st;
+                let text = guarded("get_next_output_text", || PyString::new(py, st.output_text_ref(finished, delta)).into_any())?;
                 (text, nd.ids.as_ref().map(|l| l.bind(py).clone().into_any()))
             }
         };
@@ -773,7 +784,8 @@ impl OutputCore {
             }
             Detok::Native(nd) => {
                 read_ids(&new_ids, &mut self.ids_buf)?;
-                let stop = nd.st.update(&self.ids_buf, stop_terminated).map_err(detok_err)?;
+                let (st, ids) = (&mut nd.st, &self.ids_buf);
+                let stop = guarded("update", || st.update(ids, stop_terminated))?.map_err(detok_err)?;
                 let n_now = nd.st.num_output_tokens();
                 if let Some(l) = &nd.ids {
                     let l = l.bind(py);
