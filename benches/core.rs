@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use vllm_mmretry::detok::{DetokParams, DetokState, Vocab};
+use vllm_mmretry::table::Table;
 
 const BATCH: usize = 1024;
 const TEXT: &str = "The quick brown fox jumps over the lazy dog, then writes a short essay \
@@ -91,9 +92,52 @@ fn detok(c: &mut Criterion) {
     g.finish();
 }
 
+/// The Rust share of one output-loop step at batch 1024, no Python: per engine
+/// output, find the request by its id in the request table, detokenize its new
+/// token (stop strings checked), take the delta text; finished requests leave the
+/// table and a new one takes their place (as the loop's finish/add do).
+fn loop_step(c: &mut Criterion) {
+    let mut g = c.benchmark_group("loop_step_batch1024");
+    g.throughput(Throughput::Elements(BATCH as u64));
+    let Some(path) = tokenizer_json("tiny-llava") else {
+        eprintln!("no llama tokenizer.json under the cache; skipping");
+        return;
+    };
+    let vocab = Arc::new(Vocab::from_file(path.to_str().unwrap()).expect("load"));
+    let enc = |s: &str| vocab.tokenizer().encode(s, false).expect("encode").get_ids().to_vec();
+    let prompt = enc("Please write an essay about foxes and dogs.");
+    let gen = enc(&TEXT.repeat(40));
+    for (label, stop) in [("plain", vec![]), ("2stops", vec!["zebra".to_string(), "\n\n\n".to_string()])] {
+        let params = DetokParams { skip_special_tokens: true, spaces_between_special_tokens: true, stop, ..Default::default() };
+        let mut table: Table<(DetokState, usize)> = Table::default();
+        let ids: Vec<String> = (0..BATCH).map(|i| format!("cmpl-{i:08x}-0")).collect();
+        for (i, id) in ids.iter().enumerate() {
+            table.insert(id, id, (DetokState::new(vocab.clone(), &prompt, params.clone()), i * 7 % gen.len())).unwrap();
+        }
+        g.bench_function(label, |bench| {
+            bench.iter(|| {
+                let mut n = 0;
+                for id in &ids {
+                    let slot = table.slot_of(id).expect("tracked");
+                    let (st, pos) = table.get_mut(slot).unwrap();
+                    let stop = st.update(&gen[*pos..*pos + 1], false).expect("update");
+                    *pos += 1;
+                    n += st.output_text_ref(stop.is_some(), true).len();
+                    if stop.is_some() || *pos == gen.len() {
+                        table.remove(id);
+                        table.insert(id, id, (DetokState::new(vocab.clone(), &prompt, params.clone()), 0)).unwrap();
+                    }
+                }
+                black_box(n)
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(3));
-    targets = detok
+    targets = detok, loop_step
 }
 criterion_main!(benches);
