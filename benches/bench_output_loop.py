@@ -35,6 +35,7 @@ from vllm.v1.engine.output_processor import OutputProcessor as StockOP  # noqa: 
 from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
+from vllm.v1.metrics.stats import IterationStats  # noqa: E402
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP  # noqa: E402
 
@@ -49,10 +50,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 OUR_KW: dict[str, Any] = {}
+BOTH_KW: dict[str, Any] = {"log_stats": False}
 
 
 def _setup(cls: type, tok: Any, ids: list[int], batch: int, stop: list[str] | None, n: int) -> tuple[Any, list, list[str]]:
-    op = cls(tok, log_stats=False, **(OUR_KW if cls is OurOP else {}))
+    op = cls(tok, **BOTH_KW, **(OUR_KW if cls is OurOP else {}))
     collectors: list[RequestOutputCollector] = []
     child_ids: list[str] = []
     for p in range(batch // n):
@@ -89,8 +91,9 @@ def run(cls: type, tok: Any, ids: list[int], batch: int, steps: int, stop: list[
     for s in range(steps):
         outs = [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(offs[i] + s) % len(ids)]])
                 for i, cid in enumerate(child_ids)]
+        stats = IterationStats() if BOTH_KW["log_stats"] else None
         t0 = time.perf_counter()
-        op.process_outputs(outs)
+        op.process_outputs(outs, time.monotonic(), stats)
         times.append(time.perf_counter() - t0)
         for q in collectors:
             q.get_nowait()
@@ -134,9 +137,13 @@ def main() -> None:
     ap.add_argument("--python-detok", action="store_true", help="force vLLM's Python detokenizer in ours")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--log-stats", action="store_true", help="both processors with log_stats=True and IterationStats")
+    ap.add_argument("--repeat", type=int, default=3, help="alternating stock/ours runs per row (median)")
     args = ap.parse_args()
     if args.python_detok:
         OUR_KW["native_detok"] = False
+    if args.log_stats:
+        BOTH_KW["log_stats"] = True
     if args.tokenizer is None:
         from tiny_model import ensure_tiny_model
 
@@ -155,8 +162,11 @@ def main() -> None:
         cfg = VARIANTS[variant]
         for b in batches:
             steps = 12 if args.quick else (60 if b < 4096 else 25)
-            stock = run(StockOP, tok, ids, b, steps, **cfg)
-            ours = run(OurOP, tok, ids, b, steps, **cfg)
+            # Alternate the two so load changes on this shared machine hit both.
+            pairs = [(run(StockOP, tok, ids, b, steps, **cfg), run(OurOP, tok, ids, b, steps, **cfg))
+                     for _ in range(1 if args.quick else args.repeat)]
+            stock = statistics.median(p[0] for p in pairs)
+            ours = statistics.median(p[1] for p in pairs)
             row = {"variant": variant, "batch": b, "stock_us": round(stock * 1e6 / b, 3),
                    "ours_us": round(ours * 1e6 / b, 3), "ratio": round(stock / ours, 2)}
             rows.append(row)

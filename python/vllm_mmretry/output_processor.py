@@ -9,6 +9,17 @@ What changes compared to stock vLLM 0.32:
 - every missing hash of a step is invalidated in P0's sender cache once, before
   any output of the step is published.
 Everything else produces the outputs stock vLLM produces (tests/test_differential*).
+
+Speed: requests without per-request Python features run the fast loop in Rust.
+When the tokenizer is a Hugging Face fast tokenizer (vLLM's
+FastIncrementalDetokenizer path) whose definition the Rust `tokenizers` crate
+loads, its vocabulary is loaded once (`native_vocab`) and such requests are
+detokenized natively too (stop strings, min_tokens, surplus-token trimming);
+otherwise vLLM's Python detokenizer runs, counted by reason in
+`counters()["python_detok"]`. `native_detok=False` or VLLM_MMRETRY_NATIVE_DETOK=0
+forces the Python detokenizer. A native request that later needs vLLM's Python
+path has its ids replayed into its stock detokenizer first. `request_states`
+of native requests hold vLLM's detokenizer as it was at add time.
 """
 
 from __future__ import annotations
