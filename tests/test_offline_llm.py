@@ -56,3 +56,5 @@ def test_offline_llm_same_text_as_stock(tiny_model_path: str) -> None:
     assert all(c[1] for o in stock["outputs"] for c in o[3][:1])
     assert len(stock["outputs"][2][3]) == 3
     assert ours["counters"]["fast_steps"] > 0
+    # All five sequences (1 + 1 + n=3) were detokenized natively.
+    assert ours["counters"]["native_detok"] == 5 and ours["counters"]["python_detok"] == {}
