@@ -95,11 +95,14 @@ def test_plugin_active_in_api_server_and_engine_core_of_a_running_server(plain_s
     with urllib.request.urlopen(plain_server.base_url + "/health") as r:
         assert r.status == 200
     log = plain_server.log()
-    active = re.findall(r"\((\w+) pid=(\d+)\).*vllm-mmretry active for vLLM [\d.]+ \([^)]*\): patched (.+)", log)
-    roles = {role for role, _, _ in active}
-    assert {"APIServer", "EngineCore"} <= roles, log[-3000:]
-    # One line per process, and the API server is running our output processor.
-    pids = [pid for _, pid, _ in active]
-    assert len(pids) == len(set(pids))
-    api = next(p for role, _, p in active if role == "APIServer")
-    assert "OutputProcessor" in api
+    # Our line can come before vLLM names the process (the API server logs it as
+    # MainProcess, right after logging is configured), so match processes by pid.
+    role_of = {pid: role for role, pid in re.findall(r"^\((APIServer|EngineCore)[\w-]* pid=(\d+)\)", log, re.M)}
+    active = re.findall(r"^\([\w-]+ pid=(\d+)\).*vllm-mmretry active for vLLM [\d.]+ \([^)]*\): patched (.+)$", log, re.M)
+    pids = [pid for pid, _ in active]
+    assert len(pids) == len(set(pids)), "one line per process"
+    patched = {role_of[pid]: labels for pid, labels in active if pid in role_of}
+    assert set(patched) == {"APIServer", "EngineCore"}, log[-3000:]
+    # The API server runs our output processor and the serving retry points.
+    for label in ("async_llm.OutputProcessor", "OpenAIServingChat.create_chat_completion"):
+        assert label in patched["APIServer"] and label in patched["EngineCore"]
