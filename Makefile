@@ -53,7 +53,7 @@ test-py: setup
 
 bench: setup bench-rust bench-py
 
-bench-rust:
+bench-rust: vocabs
 	cargo bench --bench core
 
 bench-py: setup
