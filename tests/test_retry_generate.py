@@ -57,8 +57,11 @@ def answer(path: str, resp: Any) -> list[str]:
 
 
 def streamed(path: str, events: list[Any]) -> tuple[str, list[dict[str, Any]]]:
-    """Concatenated streamed text and the error events."""
-    text, errors = [], []
+    """Streamed text per choice (joined by "|" in index order) and the error events.
+
+    Per choice because with n > 1 how the choices' chunks interleave depends on timing."""
+    text: dict[int, list[str]] = {}
+    errors = []
     for ev in events:
         if ev == "[DONE]":
             continue
@@ -66,9 +69,10 @@ def streamed(path: str, events: list[Any]) -> tuple[str, list[dict[str, Any]]]:
             errors.append(ev["error"])
             continue
         for c in ev["choices"]:
-            text.append((c.get("delta") or {}).get("content") or "" if path == CHAT
-                        else c.get("text") or "")
-    return "".join(text), errors
+            text.setdefault(c.get("index", 0), []).append(
+                (c.get("delta") or {}).get("content") or "" if path == CHAT
+                else c.get("text") or "")
+    return "|".join("".join(text[i]) for i in sorted(text)), errors
 
 
 def body_for(path: str, rid: str) -> dict[str, Any]:
