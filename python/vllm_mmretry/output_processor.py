@@ -110,6 +110,22 @@ def _ro_add(self: RequestOutput, next_output: RequestOutput, aggregate: bool) ->
 
 # ------------------------------------------- per-request Python paths (called from Rust)
 
+def _update_iteration_stats(
+    req_state: RequestState,
+    eco: EngineCoreOutput,
+    engine_core_timestamp: float | None,
+    iteration_stats: IterationStats | None,
+    lora_states: LoRARequestStates,
+) -> None:
+    """Stock step 1 (`OutputProcessor._update_stats_from_output`)."""
+    if iteration_stats is not None:
+        assert engine_core_timestamp is not None and req_state.stats is not None
+        iteration_stats.update_from_output(
+            eco, engine_core_timestamp, req_state.is_prefilling, req_state.stats,
+            lora_states, req_state.lora_name,
+        )
+
+
 def _fallback_step(
     req_state: RequestState,
     eco: EngineCoreOutput,
@@ -122,12 +138,7 @@ def _fallback_step(
     requests whose features live in vLLM's Python objects. Returns
     (request_output or None, finish_reason, release); release=False keeps a
     streaming-input request alive for its next chunk."""
-    if iteration_stats is not None:
-        assert engine_core_timestamp is not None and req_state.stats is not None
-        iteration_stats.update_from_output(
-            eco, engine_core_timestamp, req_state.is_prefilling, req_state.stats,
-            lora_states, req_state.lora_name,
-        )
+    _update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats, lora_states)
     new_token_ids = eco.new_token_ids
     pooling_output = eco.pooling_output
     finish_reason = eco.finish_reason
@@ -203,12 +214,7 @@ def _error_output(
 ) -> RequestOutput:
     """The one terminal output of a generation request whose multimodal inputs
     were missing in the engine's cache (for n>1: of its parent)."""
-    if iteration_stats is not None:
-        assert engine_core_timestamp is not None and req_state.stats is not None
-        iteration_stats.update_from_output(
-            eco, engine_core_timestamp, req_state.is_prefilling, req_state.stats,
-            lora_states, req_state.lora_name,
-        )
+    _update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats, lora_states)
     req_state.is_prefilling = False
     detok = req_state.detokenizer
     assert detok is not None and req_state.logprobs_processor is not None
