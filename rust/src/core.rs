@@ -64,12 +64,12 @@ fn detok_err(e: DetokError) -> PyErr {
     }
 }
 
-/// Runs native detokenizer code so that a bug there (a panic) becomes a Python
-/// exception for this call instead of unwinding through the interpreter.
+/// Runs Rust code so that a bug there (a panic) becomes a Python exception for
+/// this call instead of unwinding through the interpreter.
 fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
         let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
-        pyo3::exceptions::PyRuntimeError::new_err(format!("native detokenizer failed in {what}: {msg}"))
+        pyo3::exceptions::PyRuntimeError::new_err(format!("vllm_mmretry core failed in {what}: {msg}"))
     })
 }
 
@@ -1108,48 +1108,52 @@ impl OutputCore {
         iteration_stats: Option<Bound<'py, PyAny>>,
         weight_version: Option<Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
-        let ecos = match engine_core_outputs.cast::<PyList>() {
-            Ok(l) => l.clone(),
-            Err(_) => PyList::new(py, engine_core_outputs.try_iter().map_err(|_| PyTypeError::new_err("engine_core_outputs must be a list of EngineCoreOutput"))?.collect::<PyResult<Vec<_>>>()?)?,
-        };
-        let none = py.None().into_bound(py);
-        let ts = engine_core_timestamp.unwrap_or_else(|| none.clone());
-        let its = iteration_stats.unwrap_or_else(|| none.clone());
-        let wv = weight_version.unwrap_or_else(|| none.clone());
-        let outs = PyList::empty(py);
-        let aborts = PyList::empty(py);
+        // A bug here (a panic) becomes a Python exception, not an unwind through
+        // the interpreter.
+        guarded("process_outputs", move || -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+            let ecos = match engine_core_outputs.cast::<PyList>() {
+                Ok(l) => l.clone(),
+                Err(_) => PyList::new(py, engine_core_outputs.try_iter().map_err(|_| PyTypeError::new_err("engine_core_outputs must be a list of EngineCoreOutput"))?.collect::<PyResult<Vec<_>>>()?)?,
+            };
+            let none = py.None().into_bound(py);
+            let ts = engine_core_timestamp.unwrap_or_else(|| none.clone());
+            let its = iteration_stats.unwrap_or_else(|| none.clone());
+            let wv = weight_version.unwrap_or_else(|| none.clone());
+            let outs = PyList::empty(py);
+            let aborts = PyList::empty(py);
 
-        // Pre-pass: every missing hash of this step is invalidated in P0's sender
-        // cache, once, before any output of the step is published.
-        let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
-        for eco in ecos.iter() {
-            let exact = self.eco.is_exact(&eco);
-            let m = self.eco.get(&eco, exact, F::MmCacheMissHashes)?;
-            if !m.is_none() && m.is_truthy()? {
-                for h in m.try_iter()? {
-                    let h = h?;
-                    let h = h.cast::<PyString>().map_err(|_| PyTypeError::new_err("mm_cache_miss_hashes must hold str"))?;
-                    self.misses.add(h.to_str()?);
-                }
-                with_misses.push(eco);
-            }
-        }
-        self.invalidate_misses(py)?;
-
-        let result = (|| {
+            // Pre-pass: every missing hash of this step is invalidated in P0's sender
+            // cache, once, before any output of the step is published.
+            let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
             for eco in ecos.iter() {
-                self.step_one(py, &eco, &ts, &its, &wv, &outs, &aborts)?;
+                let exact = self.eco.is_exact(&eco);
+                let m = self.eco.get(&eco, exact, F::MmCacheMissHashes)?;
+                if !m.is_none() && m.is_truthy()? {
+                    for h in m.try_iter()? {
+                        let h = h?;
+                        let h = h.cast::<PyString>().map_err(|_| PyTypeError::new_err("mm_cache_miss_hashes must hold str"))?;
+                        self.misses.add(h.to_str()?);
+                    }
+                    with_misses.push(eco);
+                }
             }
-            Ok::<(), PyErr>(())
-        })();
-        // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
-        // after process_outputs and would invalidate them a second time. Clearing
-        // the field (instead of patching those loops) keeps that code stock.
-        for eco in with_misses {
-            eco.setattr(self.eco.name(py, F::MmCacheMissHashes), &none)?;
-        }
-        result?;
-        Ok((outs, aborts))
+            self.invalidate_misses(py)?;
+
+            let result = (|| {
+                for eco in ecos.iter() {
+                    self.step_one(py, &eco, &ts, &its, &wv, &outs, &aborts)?;
+                }
+                Ok::<(), PyErr>(())
+            })();
+            // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
+            // after process_outputs and would invalidate them a second time. Clearing
+            // the field (instead of patching those loops) keeps that code stock.
+            for eco in with_misses {
+                eco.setattr(self.eco.name(py, F::MmCacheMissHashes), &none)?;
+            }
+            result?;
+            Ok((outs, aborts))
+        })?
     }
 
     /// vLLM's `abort_requests`: returns the internal ids to abort in the engine.
