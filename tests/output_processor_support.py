@@ -102,6 +102,19 @@ class Side:
         return out
 
 
+def add_to_both(stock: Side, ours: Side, specs: list[ReqSpec]) -> tuple[list[str], dict[str, int | None]]:
+    """Add every request to both sides (same child ids); returns the live child ids
+    and each child's logprobs setting."""
+    live: list[str] = []
+    logprobs_of: dict[str, int | None] = {}
+    for spec in specs:
+        ids = stock.add(spec)
+        assert ours.add(spec) == ids
+        live += ids
+        logprobs_of.update({cid: spec.logprobs for cid in ids})
+    return live, logprobs_of
+
+
 def eco(rid: str, tokens: list[int], finish: FinishReason | None = None, stop_reason: Any = None,
         logprobs: int | None = None, **kw: Any) -> EngineCoreOutput:
     lp = None

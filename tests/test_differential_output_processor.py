@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from output_processor_support import (
     ReqSpec,
     Side,
+    add_to_both,
     eco,
     new_iteration_stats,
     norm,
@@ -107,15 +108,9 @@ def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[i
     ours = Side(OurOP(tokenizer, log_stats=log_stats, stream_interval=interval, native_detok=native), async_mode)
     specs = _specs(data, vocab)
 
-    live: list[str] = []
-    logprobs_of: dict[str, int | None] = {}
+    live, logprobs_of = add_to_both(stock, ours, specs)
     # The detokenizer really is the one asked for: every fast request that
     # detokenizes runs natively (or none does).
-    for spec in specs:
-        ids = stock.add(spec)
-        assert ours.add(spec) == ids
-        live += ids
-        logprobs_of.update({cid: spec.logprobs for cid in ids})
     fast_detok = [cid for s in specs if s.detokenize and s.logprobs is None for cid in ours.children[s.request_id]]
     assert all(ours.op._core.is_native(cid) == native for cid in fast_detok)
     assert ours.op.counters()["native_detok"] == (len(fast_detok) if native else 0)

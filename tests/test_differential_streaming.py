@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from output_processor_support import (
     ReqSpec,
     Side,
+    add_to_both,
     eco,
     engine_request,
     new_iteration_stats,
@@ -245,13 +246,7 @@ def test_weight_versions_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
         )
         for i in range(data.draw(st.integers(1, 3), label="num_requests"))
     ]
-    live: list[str] = []
-    logprobs_of: dict[str, int | None] = {}
-    for spec in specs:
-        ids = stock.add(spec)
-        assert ours.add(spec) == ids
-        live += ids
-        logprobs_of.update({cid: spec.logprobs for cid in ids})
+    live, logprobs_of = add_to_both(stock, ours, specs)
     cursor = {rid: data.draw(st.integers(0, len(stream) - 1)) for rid in live}
     wv: str | None = "default"
     for _ in range(data.draw(st.integers(1, 10), label="num_steps")):
