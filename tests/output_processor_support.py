@@ -137,25 +137,36 @@ def norm_logprobs(lps: Any) -> Any:
     ]
 
 
+def _norm_field(key: str, v: Any) -> Any:
+    """A field value in comparable form (arrays, logprobs, stats, errors)."""
+    if v is None:
+        return None
+    if key == "logprobs":
+        return norm_logprobs(v)
+    if key == "metrics":
+        return _norm_stats(v)
+    if key == "error":
+        return (type(v).__name__, v.code, v.retryable)
+    if key == "outputs":
+        return [_norm_vars(c) for c in v]
+    if key in ("prompt_token_ids", "token_ids"):
+        return list(v)
+    if isinstance(v, np.ndarray) or hasattr(v, "tolist"):
+        return np.asarray(v).tolist()
+    return v
+
+
+def _norm_vars(o: Any) -> Any:
+    """Every instance attribute (`vars()`), so a field added by vLLM or by
+    another plugin is compared too."""
+    return (type(o).__name__, tuple((k, _norm_field(k, v)) for k, v in sorted(vars(o).items())))
+
+
 def norm(o: Any) -> Any:
-    """Every RequestOutput/CompletionOutput field, in comparable form."""
+    """Every RequestOutput/CompletionOutput field (full `vars()`), in comparable form."""
     if not isinstance(o, RequestOutput):
         return ("other", type(o).__name__, repr(o))
-    err = getattr(o, "error", None)
-    return (
-        o.request_id, o.prompt, list(o.prompt_token_ids or []), o.prompt_logprobs,
-        o.prompt_token_id_logprobs, o.finished, o.lora_request, o.encoder_prompt,
-        o.encoder_prompt_token_ids, o.num_cached_tokens, o.num_cache_creation_tokens,
-        o.kv_transfer_params, o.ec_transfer_params,
-        None if o.metrics is None else _norm_stats(o.metrics),
-        None if err is None else (err.code, err.retryable),
-        [
-            (c.index, c.text, list(c.token_ids), c.cumulative_logprob, norm_logprobs(c.logprobs),
-             None if c.routed_experts is None else np.asarray(c.routed_experts).tolist(), c.finish_reason, c.stop_reason, c.lora_request, c.sampling_mask,
-             c.spec_decode_metrics, c.weight_versions)
-            for c in o.outputs
-        ],
-    )
+    return _norm_vars(o)
 
 
 def _norm_stats(s: Any) -> Any:

@@ -13,6 +13,7 @@ from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm_mmretry import _core, _patching
 from vllm_mmretry import output_processor as opm
 from vllm_mmretry.output_processor import OutputProcessor
+from vllm_mmretry.vllm_adapter import adapter, v0_32
 
 
 @pytest.fixture
@@ -45,10 +46,18 @@ def test_bad_input_is_a_python_exception(op: OutputProcessor) -> None:
 
 
 def test_core_rejects_bad_construction_and_ids() -> None:
-    with pytest.raises(ValueError):
-        _core.OutputCore((), (), None)
+    import dataclasses
+
+    good = adapter().core_spec(None, False, adapter().self_check(None, None))
+    _core.OutputCore(good)
+    with pytest.raises(AttributeError, match="engine_core_output"):
+        _core.OutputCore(object())  # not a CoreSpec: names the missing field
     with pytest.raises(TypeError):
-        _core.OutputCore((1, 2, 3, 4, 5, 6), (len,) * 5, None)
+        _core.OutputCore(dataclasses.replace(good, request_output=42))
+    with pytest.raises(TypeError, match="callable"):
+        _core.OutputCore(dataclasses.replace(good, helpers=dataclasses.replace(good.helpers, abort_output=3)))
+    with pytest.raises(ValueError, match="finish codes"):
+        _core.OutputCore(dataclasses.replace(good, finish_error=99))
     core = OutputProcessor(None, log_stats=False)._core
     for call in (lambda: core.state("x"), lambda: core.is_fast("x"), lambda: core.finish_request("x")):
         with pytest.raises(KeyError):
@@ -75,10 +84,10 @@ def test_request_output_error_field() -> None:
     assert o.error is None
     err = RequestError(code="multimodal_cache_miss", message="m", retryable=True)
     o2 = RequestOutput.__new__(RequestOutput)
-    opm._ro_init(o2, request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
+    v0_32._ro_init(o2, request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
                  outputs=[CompletionOutput(index=0, text="a", token_ids=[5], cumulative_logprob=None, logprobs=None, finish_reason="error")],
                  finished=True, error=err)
-    opm._ro_add(o, o2, aggregate=True)
+    v0_32._ro_add(o, o2, aggregate=True)
     assert o.error is err and o.finished and o.outputs[0].text == "a"
 
 
@@ -98,4 +107,4 @@ def test_install_patches_both_engines() -> None:
             opm.install()
     finally:
         _patching.restore_all()
-    assert async_llm.OutputProcessor is opm.StockOutputProcessor
+    assert async_llm.OutputProcessor is v0_32.StockOutputProcessor

@@ -29,7 +29,7 @@ def _run(code: str, **env: str) -> dict:
 
 
 PROBE = """
-    import json, vllm_mmretry.compat as compat
+    import json, vllm_mmretry.vllm_adapter
     {setup}
     from vllm.plugins import load_general_plugins
     load_general_plugins()  # what vLLM does in every process

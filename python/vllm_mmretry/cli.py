@@ -26,7 +26,9 @@ def _version(name: str) -> str:
 
 def main() -> None:
     importlib.metadata.version = _version  # type: ignore[assignment]
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm_mmretry.vllm_adapter import vllm_cli_main
+
+    vllm_main = vllm_cli_main()
 
     if len(sys.argv) > 1 and sys.argv[1] in ("-V", "--version"):
         print(_version("vllm"))

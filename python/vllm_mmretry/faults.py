@@ -29,7 +29,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mmretry import _patching, compat
+from vllm_mmretry import _patching
+from vllm_mmretry.vllm_adapter import adapter, vllm_logger, when_vllm_logging_ready
 
 ENV = "VLLM_MMRETRY_FAULTS"
 
@@ -127,9 +128,7 @@ _cache_types_logged: set[str | None] = set()
 
 
 def _logger() -> Any:
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.vllm_mmretry.faults")
+    return vllm_logger("vllm.vllm_mmretry.faults")
 
 
 def _receiver_get_and_update_item(original: Any, miss_error: type[Exception]) -> Any:
@@ -176,8 +175,8 @@ def install() -> list[str]:
     plan = parse(os.environ.get(ENV, ""))
     if plan is None:
         return []
-    receiver_cls, miss_error = compat.lru_receiver_cache()
-    factories, lookup_name = compat.mm_cache_type_lookup()
+    receiver_cls, miss_error = adapter().lru_receiver_cache()
+    factories, lookup_name = adapter().mm_cache_type_lookup()
     labels = [
         _patching.patch_attr(receiver_cls, "get_and_update_item", _receiver_get_and_update_item(
             receiver_cls.get_and_update_item, miss_error)),
@@ -185,7 +184,7 @@ def install() -> list[str]:
                              _logging_cache_type(getattr(factories, lookup_name))),
     ]
     activate(plan)
-    compat.when_vllm_logging_ready(lambda: _logger().warning(
+    when_vllm_logging_ready(lambda: _logger().warning(
         "!!! vllm-mmretry TEST FAULT SWITCH ON (pid %d): %s=%r -- this server drops "
         "multimodal cache entries on purpose; never use it outside tests !!!",
         os.getpid(), ENV, plan.spec))
@@ -202,7 +201,7 @@ def activate(plan: FaultPlan | None) -> None:
 def faulty_get_and_update_item() -> Any:
     """The receiver's `get_and_update_item` with the switch applied, built around
     vLLM's method without patching the class (for in-process differential tests)."""
-    receiver_cls, miss_error = compat.lru_receiver_cache()
+    receiver_cls, miss_error = adapter().lru_receiver_cache()
     original = _patching.original(receiver_cls, "get_and_update_item")
     return _receiver_get_and_update_item(original, miss_error)
 

@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from vllm_mmretry import compat
+from vllm_mmretry import vllm_adapter
 
 logger = logging.getLogger("vllm_mmretry")
 
@@ -46,17 +46,12 @@ def _process_name() -> str:
 def _vllm_logger() -> logging.Logger:
     # vLLM configures its own `vllm` logger tree; our lines go through it so they
     # appear in `vllm serve` output with vLLM's format and level.
-    try:
-        from vllm.logger import init_logger
-
-        return init_logger("vllm.vllm_mmretry")
-    except ImportError:
-        return logger
+    return vllm_adapter.vllm_logger("vllm.vllm_mmretry")
 
 
 def _emit(log_fn: Callable[..., None], msg: str, *args: object) -> None:
     try:
-        compat.when_vllm_logging_ready(lambda: log_fn(msg, *args))
+        vllm_adapter.when_vllm_logging_ready(lambda: log_fn(msg, *args))
     except ImportError:  # no vLLM at all
         log_fn(msg, *args)
 
@@ -77,12 +72,12 @@ def register() -> list[str]:
         _emit(log.info, "vllm-mmretry disabled by %s=0 (%s); vLLM left unpatched%s",
               ENV_SWITCH, proc, f" except {', '.join(_state)}" if _state else "")
         return _state
-    version = compat.installed_vllm_version()
-    if not compat.is_supported(version):
+    version = vllm_adapter.installed_vllm_version()
+    if not vllm_adapter.is_supported(version):
         _emit(
             log.warning,
             "vllm-mmretry supports vLLM %s, found %s (%s); vLLM left unpatched",
-            ", ".join(sorted(compat.SUPPORTED_VLLM_VERSIONS)),
+            ", ".join(sorted(vllm_adapter.SUPPORTED_VLLM_VERSIONS)),
             version,
             proc,
         )

@@ -24,7 +24,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mmretry import _patching, compat
+from vllm_mmretry import _patching
+from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 
 MM_CACHE_MISS = "multimodal_cache_miss"
 # Headers on the final 503 so stock OpenAI clients retry on their own.
@@ -36,9 +37,7 @@ _logger: Any = None
 def _log() -> Any:
     global _logger
     if _logger is None:
-        from vllm.logger import init_logger
-
-        _logger = init_logger("vllm.vllm_mmretry.retry")
+        _logger = vllm_logger("vllm.vllm_mmretry.retry")
     return _logger
 
 
@@ -84,7 +83,7 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
                    ) -> AsyncGenerator[Any, None]:
     """The engine stream of prompt `index`, retried once if it ends in a retryable
     error before anything of the endpoint's answer went out."""
-    request_id = compat.generate_request_id(args, kwargs)
+    request_id = adapter().generate_request_id(args, kwargs)
     gen = generate(*args, **kwargs)
     try:
         first = await anext(gen, None)
@@ -92,19 +91,19 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
         if error is not None and not call.delivered:
             if call.retried:  # the endpoint's one retry went to another prompt
                 _log_final(request_id, call.endpoint, error)
-                raise compat.retryable_request_error()(error.message)
+                raise adapter().retryable_request_error()(error.message)
             call.retried = True
             await gen.aclose()
             skip = error.code == MM_CACHE_MISS
             _log_retry(request_id, call.endpoint, error, skip)
             prompt = (await call.rerender(skip))[index]
-            args, kwargs = compat.generate_with_prompt(args, kwargs, prompt)
+            args, kwargs = adapter().generate_with_prompt(args, kwargs, prompt)
             gen = generate(*args, **kwargs)
             first = await anext(gen, None)
             error = retryable_error(first) if first is not None else None
             if error is not None:
                 _log_final(request_id, call.endpoint, error)
-                raise compat.retryable_request_error()(error.message)
+                raise adapter().retryable_request_error()(error.message)
         if first is None:
             return
         call.delivered = call.delivered or call.stream
@@ -182,37 +181,37 @@ class _ErrorTap:
 
 
 def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
-    retryable = compat.retryable_request_error()
+    retryable = adapter().retryable_request_error()
 
     @functools.wraps(original)
     async def pooling_call(self: Any, request: Any, raw_request: Any = None) -> Any:
         if raw_request is None:  # not an API-server HTTP request (e.g. run_batch)
             return await original(self, request, raw_request)
         source = _copy(request)
-        attempt = await compat.pooling_submit(self, request, raw_request)
+        attempt = await adapter().pooling_submit(self, request, raw_request)
         taps: list[_ErrorTap] = []
 
         def tap(results: Any) -> Any:
             taps.append(_ErrorTap(results))
             return taps[-1]()
 
-        compat.wrap_pooling_results(attempt, tap)
+        adapter().wrap_pooling_results(attempt, tap)
         try:
-            return await compat.pooling_finish(self, attempt)
+            return await adapter().pooling_finish(self, attempt)
         except retryable:
             if not taps[0].errors:
                 raise  # not an engine result we saw: leave it alone
             error = taps[0].errors[0]
-        await compat.pooling_close(attempt)
-        request_id = compat.pooling_request_id(attempt)
+        await adapter().pooling_close(attempt)
+        request_id = adapter().pooling_request_id(attempt)
         skip = any(e.code == MM_CACHE_MISS for e in taps[0].errors)
         where = _endpoint(raw_request, type(self).__name__)
         _log_retry(request_id, where, error, skip)
-        attempt = await compat.pooling_submit(self, source, raw_request, skip_mm_cache=skip,
+        attempt = await adapter().pooling_submit(self, source, raw_request, skip_mm_cache=skip,
                                               request_id=request_id)
-        compat.wrap_pooling_results(attempt, tap)
+        adapter().wrap_pooling_results(attempt, tap)
         try:
-            return await compat.pooling_finish(self, attempt)
+            return await adapter().pooling_finish(self, attempt)
         except retryable:
             errors = taps[-1].errors
             _log_final(request_id, where, errors[0] if errors else error)
@@ -222,7 +221,7 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_error_handler(original: Callable[..., Any]) -> Callable[..., Any]:
-    retryable = compat.retryable_request_error()
+    retryable = adapter().retryable_request_error()
 
     @functools.wraps(original)
     async def generation_error_handler(req: Any, exc: Exception) -> Any:
@@ -238,7 +237,7 @@ def _vllm_error_in(exc: BaseException) -> BaseException | None:
     """The vLLM error `exc` was raised while handling, if the chain still says so."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, compat.vllm_error()):
+        if isinstance(seen, adapter().vllm_error()):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
@@ -256,7 +255,7 @@ def _wrap_responses_sse(original: Callable[..., Any]) -> Callable[..., Any]:
             # 0.32 loses the GenerationError here (its error event fails validation
             # in pydantic-core, which drops the context): answer as vLLM would, 500.
             cause = _vllm_error_in(exc)
-            body = compat.error_body(cause or compat.generation_error()())
+            body = adapter().error_body(cause or adapter().generation_error()())
             _log().warning("vllm-mmretry: Responses stream failed (%s); ending it with an "
                            "error event", type(exc).__name__)
             event = {"type": "error", "code": str(body["error"]["code"]),
@@ -268,17 +267,17 @@ def _wrap_responses_sse(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> list[str]:
-    s = compat.retry_seams()
+    s = adapter().retry_seams()
     orig = _patching.original
-    sse_module, sse_name = compat.responses_sse_writer()
+    sse_module, sse_name = adapter().responses_sse_writer()
     return [
         _patching.patch_attr(s.engine_client, s.generate,
                              _wrap_generate(orig(s.engine_client, s.generate))),
         _patching.patch_attr(s.chat_serving, s.chat_entry, _wrap_endpoint(
-            orig(s.chat_serving, s.chat_entry), "/v1/chat/completions", compat.render_chat)),
+            orig(s.chat_serving, s.chat_entry), "/v1/chat/completions", adapter().render_chat)),
         _patching.patch_attr(s.completion_serving, s.completion_entry, _wrap_endpoint(
             orig(s.completion_serving, s.completion_entry), "/v1/completions",
-            compat.render_completion)),
+            adapter().render_completion)),
         _patching.patch_attr(s.pooling_serving, s.pooling_entry, _wrap_pooling(
             orig(s.pooling_serving, s.pooling_entry))),
         _patching.patch_attr(s.error_handlers, s.error_handler,

@@ -23,16 +23,12 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 
 use crate::detok::py::PyVocab;
 use crate::detok::{supports, DetokError, DetokParams, DetokState, Vocab};
-use crate::eco::{EcoReader, F};
+use crate::eco::{Eco, EcoFieldNames, EcoReader, F};
 use crate::table::{FxMap, MissSet, Table};
-
-const STOP: i64 = 0;
-const ABORT: i64 = 2;
-const ERROR: i64 = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum OutKind {
@@ -149,6 +145,76 @@ struct Classes {
     event: Py<PyType>,
     finish_strs: Vec<Py<PyString>>,
     finish_objs: Vec<Py<PyAny>>,
+    finish: FinishCodes,
+}
+
+/// The `FinishReason` codes the loop acts on, from the adapter.
+#[derive(Clone, Copy)]
+struct FinishCodes {
+    stop: i64,
+    abort: i64,
+    error: i64,
+}
+
+/// `vllm_adapter.base.CoreSpec`: what the core needs from the running vLLM,
+/// read by attribute name.
+#[derive(FromPyObject)]
+struct CoreSpec<'py> {
+    engine_core_output: Bound<'py, PyType>,
+    request_output: Bound<'py, PyType>,
+    completion_output: Bound<'py, PyType>,
+    collector: Bound<'py, PyType>,
+    weight_span: Bound<'py, PyType>,
+    event: Bound<'py, PyType>,
+    finish_reasons: Vec<Bound<'py, PyAny>>,
+    finish_stop: i64,
+    finish_abort: i64,
+    finish_error: i64,
+    eco_fields: EcoFieldNames,
+    helpers: HelperSpec<'py>,
+    lora_states: Bound<'py, PyAny>,
+    eco_offsets: bool,
+}
+
+/// `vllm_adapter.base.CoreHelpers`.
+#[derive(FromPyObject)]
+struct HelperSpec<'py> {
+    fallback_step: Bound<'py, PyAny>,
+    abort_output: Bound<'py, PyAny>,
+    error_output: Bound<'py, PyAny>,
+    finished_stats: Bound<'py, PyAny>,
+    adopt_native: Bound<'py, PyAny>,
+}
+
+/// `vllm_adapter.base.FastSpec`: how one request runs on the fast path.
+#[derive(FromPyObject)]
+struct FastSpec<'py> {
+    detokenizer: Bound<'py, PyAny>,
+    native: Option<NativeSpec<'py>>,
+    detok_reason: Option<String>,
+    output_kind: i64,
+    stream_interval: i64,
+    num_output_tokens: usize,
+    ro_template: Bound<'py, PyDict>,
+    co_template: Bound<'py, PyDict>,
+}
+
+/// `vllm_adapter.base.NativeDetokSpec`.
+#[derive(FromPyObject)]
+struct NativeSpec<'py> {
+    prompt_token_ids: Bound<'py, PyAny>,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+    stop: Option<Vec<String>>,
+    include_stop_str_in_output: bool,
+    min_tokens: usize,
+}
+
+fn callable(name: &str, h: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    if !h.is_callable() {
+        return Err(PyTypeError::new_err(format!("CoreSpec.helpers.{name} must be callable")));
+    }
+    Ok(h.unbind())
 }
 
 struct Helpers {
@@ -315,20 +381,15 @@ impl OutputCore {
     }
 
     /// A native detokenizer for a new request, or the reason it cannot have one.
-    /// `n`: {prompt_token_ids, skip_special_tokens, spaces_between_special_tokens,
-    /// stop, include_stop_str_in_output, min_tokens}.
     fn native_detok(
         &self,
         py: Python<'_>,
         vocab: Arc<Vocab>,
-        n: &Bound<'_, PyDict>,
+        n: NativeSpec<'_>,
         kind: OutKind,
         stream_interval: usize,
     ) -> PyResult<Result<Native, &'static str>> {
-        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-            n.get_item(k)?.ok_or_else(|| PyKeyError::new_err(format!("native info lacks {k:?}")))
-        };
-        let prompt = get("prompt_token_ids")?;
+        let prompt = n.prompt_token_ids;
         let mut prompt_ids = Vec::with_capacity(prompt.len().unwrap_or(0));
         for x in prompt.try_iter()? {
             match x?.extract::<u32>() {
@@ -336,14 +397,12 @@ impl OutputCore {
                 Err(_) => return Ok(Err("token_id_out_of_range")),
             }
         }
-        let stop = get("stop")?;
-        let stop: Vec<String> = if stop.is_none() { Vec::new() } else { stop.extract()? };
         let params = DetokParams {
-            skip_special_tokens: get("skip_special_tokens")?.is_truthy()?,
-            spaces_between_special_tokens: get("spaces_between_special_tokens")?.is_truthy()?,
-            stop,
-            include_stop_str_in_output: get("include_stop_str_in_output")?.is_truthy()?,
-            min_tokens: get("min_tokens")?.extract()?,
+            skip_special_tokens: n.skip_special_tokens,
+            spaces_between_special_tokens: n.spaces_between_special_tokens,
+            stop: n.stop.unwrap_or_default(),
+            include_stop_str_in_output: n.include_stop_str_in_output,
+            min_tokens: n.min_tokens,
         };
         if let Err(r) = supports(&params) {
             return Ok(Err(r.label()));
@@ -432,7 +491,7 @@ impl Classes {
             if !delta {
                 token_ids = all;
             } else if f.stream_interval > 1 {
-                token_ids = all.get_item(pyo3::types::PySlice::new(py, f.sent_offset as isize, isize::MAX, 1))?;
+                token_ids = all.get_item(PySlice::new(py, f.sent_offset as isize, isize::MAX, 1))?;
                 f.sent_offset = f.n_out;
             }
         }
@@ -582,8 +641,8 @@ impl OutputCore {
         outs: &Bound<'py, PyList>,
         aborts: &Bound<'py, PyList>,
     ) -> PyResult<()> {
-        let exact = self.eco.is_exact(eco);
-        let rid_obj = self.eco.get(eco, exact, F::RequestId)?;
+        let ev = self.eco.view(eco);
+        let rid_obj = self.eco.get(&ev, F::RequestId)?;
         let rid = rid_obj.cast::<PyString>().map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
         let rid_s = rid.to_str()?;
         let Some(slot) = self.table.slot_of(rid_s) else {
@@ -592,16 +651,16 @@ impl OutputCore {
 
         // Per-output features that only vLLM's Python objects implement.
         if matches!(self.table.get(slot).unwrap().mode, Mode::Fast(_)) {
-            let reason = if !self.eco.get(eco, exact, F::RoutedExperts)?.is_none() {
+            let reason = if !self.eco.get(&ev, F::RoutedExperts)?.is_none() {
                 Some("routed_experts")
-            } else if !self.eco.get(eco, exact, F::NewSamplingMask)?.is_none() {
+            } else if !self.eco.get(&ev, F::NewSamplingMask)?.is_none() {
                 Some("sampling_mask")
-            } else if !self.eco.get(eco, exact, F::NewLogprobs)?.is_none()
-                || !self.eco.get(eco, exact, F::NewPromptLogprobsTensors)?.is_none()
-                || !self.eco.get(eco, exact, F::PromptTokenIdLogprobs)?.is_none()
+            } else if !self.eco.get(&ev, F::NewLogprobs)?.is_none()
+                || !self.eco.get(&ev, F::NewPromptLogprobsTensors)?.is_none()
+                || !self.eco.get(&ev, F::PromptTokenIdLogprobs)?.is_none()
             {
                 Some("unrequested_logprobs")
-            } else if !self.eco.get(eco, exact, F::PoolingOutput)?.is_none() {
+            } else if !self.eco.get(&ev, F::PoolingOutput)?.is_none() {
                 Some("pooling_output")
             } else {
                 None
@@ -611,10 +670,10 @@ impl OutputCore {
             }
         }
 
-        let fr_obj = self.eco.get(eco, exact, F::FinishReason)?;
+        let fr_obj = self.eco.get(&ev, F::FinishReason)?;
         let fr = finish_code(&fr_obj)?;
-        let miss = fr == Some(ERROR) && {
-            let m = self.eco.get(eco, exact, F::MmCacheMissHashes)?;
+        let miss = fr == Some(self.cls.finish.error) && {
+            let m = self.eco.get(&ev, F::MmCacheMissHashes)?;
             !m.is_none() && m.is_truthy()?
         };
         let req = self.table.get(slot).unwrap();
@@ -624,7 +683,7 @@ impl OutputCore {
 
         match req.mode {
             Mode::Fallback => self.step_fallback(py, slot, eco, ts, iteration_stats, weight_version, outs, aborts, rid_s),
-            Mode::Fast(_) => self.step_fast(py, slot, eco, exact, fr, fr_obj, ts, iteration_stats, weight_version, outs, aborts, rid_s),
+            Mode::Fast(_) => self.step_fast(py, slot, &ev, fr, fr_obj, ts, iteration_stats, weight_version, outs, aborts, rid_s),
         }
     }
 
@@ -661,7 +720,7 @@ impl OutputCore {
             self.publish(py, req, out, outs)?;
         }
         if !fr_obj.is_none() && release {
-            let engine_finished = !self.eco.get(eco, self.eco.is_exact(eco), F::FinishReason)?.is_none();
+            let engine_finished = !self.eco.get(&self.eco.view(eco), F::FinishReason)?.is_none();
             self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, eco, aborts)?;
         }
         Ok(())
@@ -707,8 +766,7 @@ impl OutputCore {
         &mut self,
         py: Python<'py>,
         slot: usize,
-        eco: &Bound<'py, PyAny>,
-        exact: bool,
+        ev: &Eco<'_, 'py>,
         mut fr: Option<i64>,
         mut fr_obj: Bound<'py, PyAny>,
         ts: &Bound<'py, PyAny>,
@@ -720,15 +778,15 @@ impl OutputCore {
     ) -> PyResult<()> {
         self.fast_steps += 1;
         let er = &self.eco;
-        let new_ids = er.get(eco, exact, F::NewTokenIds)?;
-        let mut stop_reason = er.get(eco, exact, F::StopReason)?;
-        let kv = er.get(eco, exact, F::KvTransferParams)?;
-        let ec = er.get(eco, exact, F::EcTransferParams)?;
-        let spec = er.get(eco, exact, F::SpecDecodeMetrics)?;
+        let new_ids = er.get(ev, F::NewTokenIds)?;
+        let mut stop_reason = er.get(ev, F::StopReason)?;
+        let kv = er.get(ev, F::KvTransferParams)?;
+        let ec = er.get(ev, F::EcTransferParams)?;
+        let spec = er.get(ev, F::SpecDecodeMetrics)?;
         let engine_finished = fr.is_some();
         let prefill_stats = {
             let req = self.table.get(slot).unwrap();
-            if req.is_prefilling { Some(er.get(eco, exact, F::PrefillStats)?) } else { None }
+            if req.is_prefilling { Some(er.get(ev, F::PrefillStats)?) } else { None }
         };
         let req = self.table.get_mut(slot).unwrap();
 
@@ -736,7 +794,7 @@ impl OutputCore {
         if !iteration_stats.is_none() {
             iteration_stats.call_method1(
                 s!(py, "update_from_output"),
-                (eco, ts, req.is_prefilling, req.stats.bind(py), self.lora_states.bind(py), req.lora_name.bind(py)),
+                (ev.obj(), ts, req.is_prefilling, req.stats.bind(py), self.lora_states.bind(py), req.lora_name.bind(py)),
             )?;
         }
         if let Some(ps) = prefill_stats {
@@ -770,7 +828,7 @@ impl OutputCore {
         }
 
         // 2) Detokenize and check stop strings.
-        let stop_terminated = fr == Some(STOP);
+        let stop_terminated = fr == Some(self.cls.finish.stop);
         let (stop, n_now): (Option<Bound<'py, PyAny>>, usize) = match &mut f.detok {
             Detok::Python(detok) => {
                 let detok = detok.bind(py);
@@ -800,16 +858,13 @@ impl OutputCore {
             }
         };
         if let Some(stop) = stop {
-            fr = Some(STOP);
-            fr_obj = self.cls.finish_objs[STOP as usize].bind(py).clone();
+            fr = Some(self.cls.finish.stop);
+            fr_obj = self.cls.finish_objs[self.cls.finish.stop as usize].bind(py).clone();
             stop_reason = stop;
             let kept = n_now.saturating_sub(f.n_out);
             if n_new > kept {
                 // Drop tokens past the stop string (vLLM's _trim_surplus_tokens).
-                // SAFETY: new_ids is a live sequence; DelSlice sets an exception on failure.
-                if unsafe { ffi::PySequence_DelSlice(new_ids.as_ptr(), kept as isize, n_new as isize) } != 0 {
-                    return Err(PyErr::fetch(py));
-                }
+                new_ids.del_item(PySlice::new(py, kept as isize, n_new as isize, 1))?;
             }
         }
         f.n_out = n_now;
@@ -825,7 +880,7 @@ impl OutputCore {
             self.publish(py, req, out, outs)?;
         }
         if fr.is_some() {
-            self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, eco, aborts)?;
+            self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, ev.obj(), aborts)?;
         }
         Ok(())
     }
@@ -845,7 +900,7 @@ impl OutputCore {
                         Mode::Fast(_) => {
                             let none = py.None().into_bound(py);
                             let empty = PyList::empty(py).into_any();
-                            self.cls.make_fast_output(py, &mut req, empty, Some(ABORT), none.clone(), none.clone(), none)?
+                            self.cls.make_fast_output(py, &mut req, empty, Some(self.cls.finish.abort), none.clone(), none.clone(), none)?
                         }
                     };
                     if let Some(out) = out {
@@ -868,59 +923,41 @@ impl OutputCore {
 
 #[pymethods]
 impl OutputCore {
-    /// `classes`: (EngineCoreOutput, RequestOutput, CompletionOutput,
-    /// RequestOutputCollector, WeightVersionSpan, FinishReason);
-    /// `helpers`: (fallback_step, abort_output, error_output, finished_stats).
+    /// `spec`: a `vllm_adapter.base.CoreSpec` built by the adapter of the running vLLM.
     #[new]
-    fn new(py: Python<'_>, classes: &Bound<'_, PyTuple>, helpers: &Bound<'_, PyTuple>, lora_states: Py<PyAny>) -> PyResult<Self> {
-        if classes.len() != 6 || helpers.len() != 5 {
-            return Err(PyValueError::new_err("OutputCore(classes: 6-tuple, helpers: 5-tuple, lora_states)"));
+    fn new(py: Python<'_>, spec: CoreSpec<'_>) -> PyResult<Self> {
+        let finish = FinishCodes { stop: spec.finish_stop, abort: spec.finish_abort, error: spec.finish_error };
+        let n_codes = spec.finish_reasons.len() as i64;
+        if [finish.stop, finish.abort, finish.error].iter().any(|c| !(0..n_codes).contains(c)) {
+            return Err(PyValueError::new_err("CoreSpec: finish codes must index finish_reasons"));
         }
-        let ty = |i: usize| -> PyResult<Bound<'_, PyType>> {
-            Ok(classes.get_item(i)?.cast_into::<PyType>().map_err(|_| PyTypeError::new_err(format!("classes[{i}] must be a class")))?)
-        };
-        let fr_cls = ty(5)?;
-        let (mut finish_strs, mut finish_objs) = (Vec::new(), Vec::new());
-        for code in 0..16i64 {
-            match fr_cls.call1((code,)) {
-                Ok(v) => {
-                    finish_strs.push(v.str()?.unbind());
-                    finish_objs.push(v.unbind());
-                }
-                Err(_) => break,
-            }
+        let mut finish_strs = Vec::new();
+        for v in &spec.finish_reasons {
+            finish_strs.push(v.str()?.unbind());
         }
-        if finish_objs.len() <= ERROR as usize {
-            return Err(PyValueError::new_err("FinishReason lacks STOP..ERROR"));
-        }
-        let call = |i: usize| -> PyResult<Py<PyAny>> {
-            let h = helpers.get_item(i)?;
-            if !h.is_callable() {
-                return Err(PyTypeError::new_err(format!("helpers[{i}] must be callable")));
-            }
-            Ok(h.unbind())
-        };
+        let h = spec.helpers;
         Ok(Self {
             table: Table::default(),
             parents: FxMap::default(),
-            eco: EcoReader::new(py, &ty(0)?)?,
+            eco: EcoReader::new(py, &spec.engine_core_output, &spec.eco_fields, spec.eco_offsets)?,
             cls: Classes {
-                request_output: ty(1)?.unbind(),
-                completion_output: ty(2)?.unbind(),
-                collector: ty(3)?.unbind(),
-                weight_span: ty(4)?.unbind(),
-                event: py.import("asyncio")?.getattr("Event")?.cast_into::<PyType>()?.unbind(),
+                request_output: spec.request_output.unbind(),
+                completion_output: spec.completion_output.unbind(),
+                collector: spec.collector.unbind(),
+                weight_span: spec.weight_span.unbind(),
+                event: spec.event.unbind(),
                 finish_strs,
-                finish_objs,
+                finish_objs: spec.finish_reasons.into_iter().map(Bound::unbind).collect(),
+                finish,
             },
             helpers: Helpers {
-                fallback_step: call(0)?,
-                abort_output: call(1)?,
-                error_output: call(2)?,
-                finished_stats: call(3)?,
-                adopt_native: call(4)?,
+                fallback_step: callable("fallback_step", h.fallback_step)?,
+                abort_output: callable("abort_output", h.abort_output)?,
+                error_output: callable("error_output", h.error_output)?,
+                finished_stats: callable("finished_stats", h.finished_stats)?,
+                adopt_native: callable("adopt_native", h.adopt_native)?,
             },
-            lora_states,
+            lora_states: spec.lora_states.unbind(),
             mm_cache_source: None,
             misses: MissSet::default(),
             fallbacks: BTreeMap::new(),
@@ -968,7 +1005,7 @@ impl OutputCore {
         self.mm_cache_source.as_ref().map(|s| s.clone_ref(py))
     }
 
-    /// Track a new request. `fast` is a dict describing the fast path
+    /// Track a new request. `fast` is a `vllm_adapter.base.FastSpec`
     /// (None: run vLLM's per-request step, `fallback_reason` says why).
     #[pyo3(signature = (request_id, external_req_id, state, parent, queue, fast, fallback_reason, streaming, is_pooling))]
     #[allow(clippy::too_many_arguments)]
@@ -980,7 +1017,7 @@ impl OutputCore {
         state: &Bound<'_, PyAny>,
         parent: Option<&Bound<'_, PyAny>>,
         queue: Option<&Bound<'_, PyAny>>,
-        fast: Option<&Bound<'_, PyDict>>,
+        fast: Option<FastSpec<'_>>,
         fallback_reason: Option<&str>,
         streaming: bool,
         is_pooling: bool,
@@ -1020,40 +1057,33 @@ impl OutputCore {
                 Mode::Fallback
             }
             Some(d) => {
-                let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-                    d.get_item(k)?.ok_or_else(|| PyKeyError::new_err(format!("fast info lacks {k:?}")))
-                };
-                let kind = match get("output_kind")?.extract::<i64>()? {
+                let kind = match d.output_kind {
                     0 => OutKind::Cumulative,
                     1 => OutKind::Delta,
                     2 => OutKind::FinalOnly,
                     k => return Err(PyValueError::new_err(format!("unknown output_kind {k}"))),
                 };
-                let si: i64 = get("stream_interval")?.extract()?;
-                let stream_interval = si.max(1) as usize;
-                let native = match d.get_item("native")? {
-                    Some(n) if !n.is_none() => Some(n.cast_into::<PyDict>()?),
-                    _ => None,
-                };
-                let detok = match (native, &self.vocab) {
-                    (Some(n), Some(vocab)) => match self.native_detok(py, vocab.clone(), &n, kind, stream_interval)? {
+                let stream_interval = d.stream_interval.max(1) as usize;
+                let has_native = d.native.is_some();
+                let detok = match (d.native, &self.vocab) {
+                    (Some(n), Some(vocab)) => match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
                         Ok(nd) => {
                             self.native_requests += 1;
                             Detok::Native(Box::new(nd))
                         }
                         Err(reason) => {
                             *self.python_detok.entry(reason.to_owned()).or_default() += 1;
-                            Detok::Python(get("detokenizer")?.unbind())
+                            Detok::Python(d.detokenizer.unbind())
                         }
                     },
-                    (native, _) => {
-                        let reason = match (native, d.get_item("detok_reason")?) {
-                            (_, Some(r)) if !r.is_none() => r.extract::<String>()?,
-                            (Some(_), _) => "no_native_vocab".to_owned(),
-                            _ => "unspecified".to_owned(),
+                    _ => {
+                        let reason = match d.detok_reason {
+                            Some(r) => r,
+                            None if has_native => "no_native_vocab".to_owned(),
+                            None => "unspecified".to_owned(),
                         };
                         *self.python_detok.entry(reason).or_default() += 1;
-                        Detok::Python(get("detokenizer")?.unbind())
+                        Detok::Python(d.detokenizer.unbind())
                     }
                 };
                 Mode::Fast(Box::new(Fast {
@@ -1061,9 +1091,9 @@ impl OutputCore {
                     kind,
                     stream_interval,
                     sent_offset: 0,
-                    n_out: get("num_output_tokens")?.extract()?,
-                    ro_template: get("ro_template")?.cast_into::<PyDict>()?.unbind(),
-                    co_template: get("co_template")?.cast_into::<PyDict>()?.unbind(),
+                    n_out: d.num_output_tokens,
+                    ro_template: d.ro_template.unbind(),
+                    co_template: d.co_template.unbind(),
                     spec_decode_metrics: None,
                     weight_starts: Vec::new(),
                 }))
@@ -1126,8 +1156,7 @@ impl OutputCore {
             // cache, once, before any output of the step is published.
             let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
             for eco in ecos.iter() {
-                let exact = self.eco.is_exact(&eco);
-                let m = self.eco.get(&eco, exact, F::MmCacheMissHashes)?;
+                let m = self.eco.get(&self.eco.view(&eco), F::MmCacheMissHashes)?;
                 if !m.is_none() && m.is_truthy()? {
                     for h in m.try_iter()? {
                         let h = h?;

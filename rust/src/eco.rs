@@ -5,66 +5,93 @@
 //! field's offset by building one instance whose fields hold distinct sentinel
 //! objects and scanning that instance for the sentinels' addresses. A read is
 //! then one pointer load instead of a descriptor lookup (`getattr`). Any object
-//! whose type is not exactly the probed class, or a layout we could not map,
-//! falls back to `getattr`.
+//! whose type is not exactly the probed class, a layout we could not map, or a
+//! field list the adapter's self-check rejected, falls back to `getattr`.
+//!
+//! The fields the core reads are declared once, in `eco_fields!`; their vLLM
+//! attribute names come from the adapter (`vllm_adapter.base.EcoFields`).
 
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyType};
 
-#[derive(Clone, Copy, Debug)]
-#[repr(usize)]
-pub enum F {
-    RequestId,
-    NewTokenIds,
-    NewLogprobs,
-    NewPromptLogprobsTensors,
-    PoolingOutput,
-    FinishReason,
-    StopReason,
-    KvTransferParams,
-    EcTransferParams,
-    PrefillStats,
-    RoutedExperts,
-    MmCacheMissHashes,
-    NewSamplingMask,
-    SpecDecodeMetrics,
-    PromptTokenIdLogprobs,
+macro_rules! eco_fields {
+    ($($variant:ident => $field:ident),* $(,)?) => {
+        /// A field of `EngineCoreOutput` the core reads.
+        #[derive(Clone, Copy, Debug)]
+        #[repr(usize)]
+        pub enum F { $($variant),* }
+
+        /// How many fields the core reads.
+        pub const COUNT: usize = [$(stringify!($field)),*].len();
+
+        /// vLLM's attribute name of each field (`vllm_adapter.base.EcoFields`).
+        #[derive(FromPyObject, Clone, Debug)]
+        pub struct EcoFieldNames { $(pub $field: String),* }
+
+        impl EcoFieldNames {
+            /// The names indexed by `F`.
+            pub fn by_field(&self) -> [&str; COUNT] {
+                [$(self.$field.as_str()),*]
+            }
+        }
+    };
 }
 
-pub const NAMES: [&str; 15] = [
-    "request_id",
-    "new_token_ids",
-    "new_logprobs",
-    "new_prompt_logprobs_tensors",
-    "pooling_output",
-    "finish_reason",
-    "stop_reason",
-    "kv_transfer_params",
-    "ec_transfer_params",
-    "prefill_stats",
-    "routed_experts",
-    "mm_cache_miss_hashes",
-    "new_sampling_mask",
-    "spec_decode_metrics",
-    "prompt_token_id_logprobs",
-];
+eco_fields! {
+    RequestId => request_id,
+    NewTokenIds => new_token_ids,
+    NewLogprobs => new_logprobs,
+    NewPromptLogprobsTensors => new_prompt_logprobs_tensors,
+    PoolingOutput => pooling_output,
+    FinishReason => finish_reason,
+    StopReason => stop_reason,
+    KvTransferParams => kv_transfer_params,
+    EcTransferParams => ec_transfer_params,
+    PrefillStats => prefill_stats,
+    RoutedExperts => routed_experts,
+    MmCacheMissHashes => mm_cache_miss_hashes,
+    NewSamplingMask => new_sampling_mask,
+    SpecDecodeMetrics => spec_decode_metrics,
+    PromptTokenIdLogprobs => prompt_token_id_logprobs,
+}
+
+type Offsets = [isize; COUNT];
 
 pub struct EcoReader {
     cls: Py<PyType>,
     names: Vec<Py<PyString>>,
     /// Byte offsets of each field slot, when the probe found all of them.
-    offsets: Option<[isize; NAMES.len()]>,
+    offsets: Option<Offsets>,
+}
+
+/// An `EngineCoreOutput` seen through a reader: the witness that its type was
+/// checked. Only `EcoReader::view` makes one, so slot reads cannot be aimed at
+/// an object of another type. (msgspec Structs refuse `__class__` assignment,
+/// so the type seen stays the object's type.)
+pub struct Eco<'a, 'py> {
+    obj: &'a Bound<'py, PyAny>,
+    /// The reader's class when `obj`'s type is exactly it, else null.
+    exact_for: *const ffi::PyTypeObject,
+}
+
+impl<'a, 'py> Eco<'a, 'py> {
+    pub fn obj(&self) -> &'a Bound<'py, PyAny> {
+        self.obj
+    }
 }
 
 impl EcoReader {
-    pub fn new(py: Python<'_>, cls: &Bound<'_, PyType>) -> PyResult<Self> {
-        let names = NAMES.iter().map(|n| PyString::intern(py, n).unbind()).collect();
-        let offsets = Self::probe(py, cls).unwrap_or(None);
+    /// `slot_reads`: the adapter's self-check accepted the field list; when false
+    /// every read is a `getattr`.
+    pub fn new(py: Python<'_>, cls: &Bound<'_, PyType>, names: &EcoFieldNames, slot_reads: bool) -> PyResult<Self> {
+        let by_field = names.by_field();
+        let offsets = if slot_reads { Self::probe(py, cls, &by_field).unwrap_or(None) } else { None };
+        let names = by_field.iter().map(|n| PyString::intern(py, n).unbind()).collect();
         Ok(Self { cls: cls.clone().unbind(), names, offsets })
     }
 
-    fn probe(py: Python<'_>, cls: &Bound<'_, PyType>) -> PyResult<Option<[isize; NAMES.len()]>> {
+    fn probe(py: Python<'_>, cls: &Bound<'_, PyType>, names: &[&str; COUNT]) -> PyResult<Option<Offsets>> {
         let fields: Vec<String> = cls.getattr("__struct_fields__")?.extract()?;
         let object = py.eval(c"object", None, None)?;
         let kwargs = PyDict::new(py);
@@ -77,8 +104,8 @@ impl EcoReader {
         let probe = cls.call((), Some(&kwargs))?;
         let basic: isize = cls.getattr("__basicsize__")?.extract()?;
         let ptr_size = std::mem::size_of::<*mut ffi::PyObject>() as isize;
-        let mut offsets = [0isize; NAMES.len()];
-        for (i, name) in NAMES.iter().enumerate() {
+        let mut offsets = [0isize; COUNT];
+        for (i, name) in names.iter().enumerate() {
             let Some((_, s)) = sentinels.iter().find(|(f, _)| f == name) else {
                 return Ok(None);
             };
@@ -111,25 +138,35 @@ impl EcoReader {
         self.offsets.is_some()
     }
 
-    pub fn is_exact(&self, obj: &Bound<'_, PyAny>) -> bool {
+    fn is_exact(&self, obj: &Bound<'_, PyAny>) -> bool {
         // SAFETY: reading the type pointer of a live object.
         unsafe { ffi::Py_TYPE(obj.as_ptr()) == self.cls.as_ptr() as *mut ffi::PyTypeObject }
     }
 
-    /// Field `f` of `eco`. `exact` must be `self.is_exact(eco)`.
+    /// `obj` with its type checked once, for any number of field reads.
+    pub fn view<'a, 'py>(&self, obj: &'a Bound<'py, PyAny>) -> Eco<'a, 'py> {
+        let exact_for = if self.is_exact(obj) { self.cls_ptr() } else { std::ptr::null() };
+        Eco { obj, exact_for }
+    }
+
+    fn cls_ptr(&self) -> *const ffi::PyTypeObject {
+        self.cls.as_ptr() as *const ffi::PyTypeObject
+    }
+
+    /// Field `f` of `eco`.
     #[inline]
-    pub fn get<'py>(&self, eco: &Bound<'py, PyAny>, exact: bool, f: F) -> PyResult<Bound<'py, PyAny>> {
-        if exact {
-            if let Some(offs) = &self.offsets {
-                // SAFETY: `eco` is exactly the probed type, so the slot at this
-                // offset holds the field (a strong reference or NULL if unset).
-                let p = unsafe { *(eco.as_ptr() as *const u8).offset(offs[f as usize]).cast::<*mut ffi::PyObject>() };
-                if !p.is_null() {
-                    return Ok(unsafe { Bound::from_borrowed_ptr(eco.py(), p) });
-                }
+    pub fn get<'py>(&self, eco: &Eco<'_, 'py>, f: F) -> PyResult<Bound<'py, PyAny>> {
+        if let (Some(offs), true) = (&self.offsets, eco.exact_for == self.cls_ptr()) {
+            // SAFETY: `exact_for` equals our class only when `view` found the
+            // object's type to be exactly the class the offsets were probed on, so
+            // the slot at this offset holds the field (a strong reference, or NULL).
+            let p = unsafe { *(eco.obj.as_ptr() as *const u8).offset(offs[f as usize]).cast::<*mut ffi::PyObject>() };
+            if !p.is_null() {
+                // SAFETY: `p` is a live object owned by `eco.obj`, which outlives this call.
+                return Ok(unsafe { Bound::from_borrowed_ptr(eco.obj.py(), p) });
             }
         }
-        eco.getattr(self.names[f as usize].bind(eco.py()))
+        eco.obj.getattr(self.names[f as usize].bind(eco.obj.py()))
     }
 
     pub fn name<'py>(&self, py: Python<'py>, f: F) -> &Bound<'py, PyString> {

