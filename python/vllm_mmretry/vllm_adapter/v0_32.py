@@ -368,14 +368,13 @@ def _check_vocab(vocab: Any) -> str | None:
 
 # ------------------------------------------------------------ start-up self-check
 
-class _Mark:
-    """A distinct value per constructor argument, to see where each one lands."""
+class _Mark(str):
+    """A distinct value per constructor argument, to see where each one lands (a
+    str, so a patched constructor computing from its arguments still runs; the
+    two constructions' marks differ in length too)."""
 
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, n
-
-    def __repr__(self) -> str:
-        return f"<{self.name}#{self.n}>"
+    def __new__(cls, name: str, n: int) -> _Mark:
+        return super().__new__(cls, f"<{name}{'#' * n}>")
 
 
 def _construct(cls: type, params: tuple[str, ...], n: int,

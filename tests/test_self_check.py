@@ -1,0 +1,161 @@
+"""The start-up self-check: what the native path builds is compared with what the
+running vLLM's constructors build (after other plugins patched them), and any
+native part that cannot prove it builds the same steps aside for vLLM's own code,
+with one WARNING and a counter. Outputs always equal stock vLLM's, in full
+(`vars()` of every RequestOutput and CompletionOutput)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import pytest
+from output_processor_support import ReqSpec, Side, add_to_both, eco, norm
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.engine.output_processor import OutputProcessor as StockOP
+
+from vllm_mmretry.output_processor import FORCE_SELF_CHECK_FAIL_ENV
+from vllm_mmretry.output_processor import OutputProcessor as OurOP
+from vllm_mmretry.vllm_adapter import v0_32
+
+TEXT = "The quick brown fox jumps over the lazy dog. A cab of zzz, the end."
+SPECS = [
+    ReqSpec("d", "d", [1, 2, 3]),
+    ReqSpec("c", "c", [1, 5], kind=RequestOutputKind.CUMULATIVE, stop=[" the"]),
+    ReqSpec("f", "f", [1], kind=RequestOutputKind.FINAL_ONLY),
+    ReqSpec("n", "n", [1, 7], n=2),
+    ReqSpec("s", "s", [1], stream_interval=3),
+]
+
+
+def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = True) -> tuple[Any, list[Any], list[Any]]:
+    """The same requests and engine outputs through stock vLLM and ours:
+    (our processor, stock's outputs, ours), every output normalised in full."""
+    stock, ours = Side(StockOP(tokenizer, log_stats=False), async_mode), Side(OurOP(tokenizer, log_stats=False), async_mode)
+    live, _ = add_to_both(stock, ours, SPECS)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    got_stock: list[Any] = []
+    got_ours: list[Any] = []
+    for step in range(0, len(ids), 2):
+        last = step + 2 >= len(ids)
+        for side, got in ((stock, got_stock), (ours, got_ours)):
+            ecos = [eco_cls(request_id=rid, new_token_ids=list(ids[step:step + 2]),
+                            finish_reason=FinishReason.LENGTH if last else None)
+                    for rid in live if side.op.has_request(rid)]
+            outs, aborts = side.step(ecos)
+            got.append(([norm(o) for o in outs], sorted(aborts), {k: norm(v) for k, v in side.drain().items()}))
+    assert not ours.op.has_unfinished_requests()
+    return ours.op, got_stock, got_ours
+
+
+@pytest.fixture
+def patch_outputs(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Another plugin's patch of RequestOutput / CompletionOutput.__init__."""
+
+    def apply(ro_extra: Any, co_extra: Any) -> None:
+        for cls, extra in ((RequestOutput, ro_extra), (CompletionOutput, co_extra)):
+            init = cls.__init__
+
+            @functools.wraps(init)
+            def patched(self: Any, *args: Any, _init: Any = init, _extra: Any = extra, **kwargs: Any) -> None:
+                _init(self, *args, **kwargs)
+                _extra(self)
+
+            monkeypatch.setattr(cls, "__init__", patched)
+
+    return apply
+
+
+def _warned(caplog: pytest.LogCaptureFixture, what: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "turned off" in r.getMessage() and what in r.getMessage()]
+
+
+@pytest.mark.parametrize("async_mode", [True, False])
+def test_plugin_attribute_on_outputs_is_carried_natively(tiny_tokenizer: Any, patch_outputs: Any,
+                                                         caplog: pytest.LogCaptureFixture,
+                                                         async_mode: bool) -> None:
+    def tag_ro(o: Any) -> None:
+        o.plugin_trace = "trace-id"
+
+    def tag_co(c: Any) -> None:
+        c.plugin_score = 0.5
+
+    patch_outputs(tag_ro, tag_co)
+    op, stock, ours = _run(tiny_tokenizer, async_mode=async_mode)
+    assert ours == stock
+    assert "plugin_trace" in repr(ours) and "plugin_score" in repr(ours)
+    c = op.counters()
+    assert c["self_check_failed"] == {} and c["fast_steps"] > 0  # still the native path
+    assert not _warned(caplog, "")
+
+
+def test_plugin_attribute_derived_from_arguments_falls_back(tiny_tokenizer: Any, patch_outputs: Any,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A patch whose value depends on the output's text cannot be templated: vLLM
+    builds every output."""
+
+    def tag_co(c: Any) -> None:
+        c.text_chars = len(c.text)
+
+    patch_outputs(lambda o: None, tag_co)
+    op, stock, ours = _run(tiny_tokenizer)
+    assert ours == stock and "text_chars" in repr(ours)
+    c = op.counters()
+    assert c["self_check_failed"] == {"outputs": 1}
+    assert c["fast_steps"] == 0 and c["fallbacks"] == {"self_check_outputs": 6}
+    assert _warned(caplog, "text_chars")
+
+
+def test_engine_core_output_field_change_reads_by_name(tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM point release adding an EngineCoreOutput field: slot reads are
+    turned off, fields are read by name, outputs unchanged."""
+
+    class ChangedEngineCoreOutput(EngineCoreOutput):  # msgspec appends the field
+        new_point_release_field: int = 0
+
+    monkeypatch.setattr(v0_32, "EngineCoreOutput", ChangedEngineCoreOutput)
+    op, stock, ours = _run(tiny_tokenizer, eco_cls=ChangedEngineCoreOutput)
+    assert ours == stock
+    assert not op._core.fast_field_reads
+    c = op.counters()
+    assert c["self_check_failed"] == {"eco_offsets": 1} and c["fast_steps"] > 0
+    assert _warned(caplog, "new_point_release_field")
+
+
+@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok"])
+def test_forced_self_check_failure(tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture, part: str) -> None:
+    monkeypatch.setenv(FORCE_SELF_CHECK_FAIL_ENV, part)
+    op, stock, ours = _run(tiny_tokenizer)
+    assert ours == stock
+    c = op.counters()
+    assert c["self_check_failed"] == {part: 1}
+    assert len(_warned(caplog, f"forced by {FORCE_SELF_CHECK_FAIL_ENV}")) == 1
+    assert op._core.fast_field_reads == (part != "eco_offsets")
+    if part == "outputs":
+        assert c["fast_steps"] == 0 and c["fallbacks"] == {"self_check_outputs": 6}
+    else:
+        assert c["fast_steps"] > 0 and c["fallback_steps"] == 0
+    if part == "detok":
+        assert c["native_detok"] == 0 and c["python_detok"] == {"self_check": 6}
+    else:
+        assert c["native_detok"] == (0 if part == "outputs" else 6)
+
+
+def test_self_check_passes_on_stock_vllm(tiny_tokenizer: Any) -> None:
+    from vllm_mmretry.vllm_adapter import adapter
+
+    vocab, reason = adapter().native_vocab(tiny_tokenizer)
+    assert reason is None
+    check = adapter().self_check(tiny_tokenizer, vocab)
+    assert check.failures() == {}
+    # The templates are what vLLM's constructors set, nothing more or less.
+    ro = RequestOutput(request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
+                       outputs=[], finished=False)
+    co = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+    assert list(check.ro_base) == list(vars(ro)) and list(check.co_base) == list(vars(co))
