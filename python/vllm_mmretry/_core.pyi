@@ -1,5 +1,7 @@
 from typing import Any, Iterable
 
+from vllm_mmretry.vllm_adapter.base import CoreSpec, FastSpec
+
 __version__: str
 
 class OutputCore:
@@ -10,10 +12,8 @@ class OutputCore:
     # Write-only: the vocabulary requests added afterwards detokenize with (None: Python).
     native_vocab: NativeVocab | None
     has_native_vocab: bool
-    def __init__(self, classes: tuple[type, ...], helpers: tuple[Any, ...], lora_states: Any) -> None:
-        """classes: (EngineCoreOutput, RequestOutput, CompletionOutput,
-        RequestOutputCollector, WeightVersionSpan, FinishReason); helpers:
-        (fallback_step, abort_output, error_output, finished_stats, adopt_native)."""
+    def __init__(self, spec: CoreSpec) -> None:
+        """`spec`: built by the adapter of the running vLLM (read by field name)."""
     def add(
         self,
         request_id: str,
@@ -21,7 +21,7 @@ class OutputCore:
         state: Any,
         parent: Any | None,
         queue: Any | None,
-        fast: dict[str, Any] | None,
+        fast: FastSpec | None,
         fallback_reason: str | None,
         streaming: bool,
         is_pooling: bool,

@@ -20,6 +20,13 @@ otherwise vLLM's Python detokenizer runs, counted by reason in
 forces the Python detokenizer. A native request that later needs vLLM's Python
 path has its ids replayed into its stock detokenizer first. `request_states`
 of native requests hold vLLM's detokenizer as it was at add time.
+
+Everything vLLM-specific comes from the adapter of the running vLLM
+(`vllm_adapter`). When a processor is built, the adapter's self-check compares the
+native parts with that vLLM (output constructors as other plugins left them,
+EngineCoreOutput fields, FinishReason codes, the native vocabulary); a part that
+differs is turned off for this processor (one WARNING, `counters()
+["self_check_failed"]`) and vLLM's own code does its work.
 """
 
 from __future__ import annotations
