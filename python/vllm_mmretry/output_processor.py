@@ -56,6 +56,7 @@ from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, LoRARequestStates, SchedulerStats
 
 from vllm_mmretry import _core
+from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 
 MISS_CODE = "multimodal_cache_miss"
 _OUTPUT_KIND_CODE = {
@@ -69,6 +70,7 @@ NATIVE_DETOK_ENV = "VLLM_MMRETRY_NATIVE_DETOK"
 
 
 def miss_error(hashes: list[str]) -> RequestError:
+    _metrics.count_cache_miss()  # vllm-mmretry metrics hook
     n = len(hashes)
     return RequestError(
         code=MISS_CODE,
@@ -162,6 +164,7 @@ def _fallback_step(
             code=MISS_CODE, message="Multi-modal processor cache miss.", retryable=True
         )
         pooling_output = EMPTY_CPU_TENSOR
+        _metrics.count_cache_miss()  # vllm-mmretry metrics hook
 
     if pooling_output is None:
         assert req_state.detokenizer is not None and req_state.logprobs_processor is not None
@@ -379,6 +382,7 @@ class OutputProcessor:
             self._core.native_vocab = vocab
         else:
             self._detok_reason = "disabled"
+        _metrics.track(self)  # vllm-mmretry metrics hook: publishes counters(), off the step path
 
     # P0's multimodal sender cache (or the renderer holding it), for invalidation.
     @property

@@ -107,10 +107,29 @@ def active_patches() -> list[str]:
     return list(_state or [])
 
 
-def _reset_for_tests() -> None:
-    """Undo all patches so a test can compare with stock vLLM in-process."""
+def uninstall() -> list[str]:
+    """Undo every patch `register()` made in this process (newest first), and the
+    `RequestOutput.error` class default it added; `register()` may run again."""
     global _state
     from vllm_mmretry import _patching
 
-    _patching.restore_all()
+    restored = _patching.restore_all()
+    restored.extend(_remove_request_output_error())
     _state = None
+    return restored
+
+
+def _remove_request_output_error() -> list[str]:
+    try:
+        from vllm.outputs import RequestOutput
+    except ImportError:
+        return []
+    if "error" in RequestOutput.__dict__ and RequestOutput.__dict__["error"] is None:
+        del RequestOutput.error  # the class default the output processor added
+        return ["RequestOutput.error"]
+    return []
+
+
+def _reset_for_tests() -> None:
+    """Undo all patches so a test can compare with stock vLLM in-process."""
+    uninstall()

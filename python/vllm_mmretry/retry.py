@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mmretry import _patching, compat
+from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 
 MM_CACHE_MISS = "multimodal_cache_miss"
 # Headers on the final 503 so stock OpenAI clients retry on their own.
@@ -60,6 +61,7 @@ def _log_final(request_id: str, endpoint: str, error: Any) -> None:
     _log().warning(
         "vllm-mmretry: request %s failed again after its retry (endpoint %s, error %s, "
         "attempt 2 of 2); answering 503", request_id, endpoint, error.code)
+    _metrics.count_retry(endpoint, "failed_again")  # vllm-mmretry metrics hook
 
 
 @dataclass
@@ -105,6 +107,7 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
             if error is not None:
                 _log_final(request_id, call.endpoint, error)
                 raise compat.retryable_request_error()(error.message)
+            _metrics.count_retry(call.endpoint, "recovered")  # vllm-mmretry metrics hook
         if first is None:
             return
         call.delivered = call.delivered or call.stream
@@ -212,7 +215,9 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
                                               request_id=request_id)
         compat.wrap_pooling_results(attempt, tap)
         try:
-            return await compat.pooling_finish(self, attempt)
+            response = await compat.pooling_finish(self, attempt)
+            _metrics.count_retry(where, "recovered")  # vllm-mmretry metrics hook
+            return response
         except retryable:
             errors = taps[-1].errors
             _log_final(request_id, where, errors[0] if errors else error)
