@@ -1,7 +1,13 @@
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, final
+
+__all__ = ["__version__", "OutputCore", "NativeVocab", "NativeDetokenizer",
+           "native_detok_fallback_reason"]
 
 __version__: str
 
+# PyO3 classes: built by __new__, not subclassable.
+@final
 class OutputCore:
     """Request table and per-step loop behind vllm_mmretry.OutputProcessor."""
 
@@ -10,7 +16,7 @@ class OutputCore:
     # Write-only: the vocabulary requests added afterwards detokenize with (None: Python).
     native_vocab: NativeVocab | None
     has_native_vocab: bool
-    def __init__(self, classes: tuple[type, ...], helpers: tuple[Any, ...], lora_states: Any) -> None:
+    def __new__(cls, classes: tuple[type, ...], helpers: tuple[Any, ...], lora_states: Any) -> OutputCore:
         """classes: (EngineCoreOutput, RequestOutput, CompletionOutput,
         RequestOutputCollector, WeightVersionSpan, FinishReason); helpers:
         (fallback_step, abort_output, error_output, finished_stats, adopt_native)."""
@@ -53,11 +59,12 @@ class OutputCore:
 
 # --- native incremental detokenizer (rust/src/detok.rs) ---------------------------
 
+@final
 class NativeVocab:
     """A HF fast tokenizer definition loaded once in Rust; share it between requests."""
 
     fast_decoder: bool
-    def __init__(self, json: str) -> None:
+    def __new__(cls, json: str) -> NativeVocab:
         """From `tokenizer._tokenizer.to_str()` (exactly what vLLM decodes with)."""
     @staticmethod
     def from_file(path: str) -> NativeVocab: ...
@@ -66,13 +73,14 @@ class NativeVocab:
         self, n_random: int = 2000, max_len: int = 8, seed: int = 0
     ) -> list[tuple[list[int], bool, str, str]]: ...
 
+@final
 class NativeDetokenizer:
     """vLLM 0.32's FastIncrementalDetokenizer (+ stop strings), step for step."""
 
     output_token_ids: list[int]
     output_text: str
-    def __init__(
-        self,
+    def __new__(
+        cls,
         vocab: NativeVocab,
         prompt_token_ids: list[int] | None,
         *,
@@ -81,7 +89,7 @@ class NativeDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
-    ) -> None: ...
+    ) -> NativeDetokenizer: ...
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
     def get_next_output_text(self, finished: bool, delta: bool) -> str: ...
     def num_output_tokens(self) -> int: ...
