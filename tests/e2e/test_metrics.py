@@ -137,7 +137,9 @@ def test_second_failure_moves_misses_and_failed_again(failing: servers.Server,
 
 @pytest.fixture(scope="module")
 def two_api_servers(model: str) -> Iterator[servers.Server]:
-    yield from start_server(model, "--api-server-count", "2", env={})
+    # Three Python processes start on two busy cores: a generous timeout.
+    with servers.serve(model, "--api-server-count", "2", timeout=900) as server:
+        yield server
 
 
 def test_counts_add_up_across_api_server_processes(two_api_servers: servers.Server,
