@@ -21,7 +21,7 @@ os.environ["VLLM_PLUGINS"] = ""
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-import vllm_mmretry  # noqa: E402
+import vllm_mmretry
 
 
 def generate(model: str) -> dict[str, object]:

@@ -36,8 +36,9 @@ def report(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
     proc = doctor(*args, "--json", **env)
     try:
         return proc.returncode, json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        raise AssertionError(f"stdout is not JSON:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    except json.JSONDecodeError as exc:
+        raise AssertionError(f"stdout is not JSON:\n{proc.stdout[-2000:]}\n"
+                             f"{proc.stderr[-3000:]}") from exc
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,8 @@ def test_custom_engine_example_runs(tiny_model_path: str) -> None:
             phases[record["phase"]] = record
     assert set(phases) == {"installed", "with_plugin", "uninstalled", "stock"}
     ours, stock = phases["with_plugin"], phases["stock"]
-    assert ours["is_ours"] and ours["output_processor"] == "vllm_mmretry.output_processor.OutputProcessor"
+    assert ours["is_ours"]
+    assert ours["output_processor"] == "vllm_mmretry.output_processor.OutputProcessor"
     assert not stock["is_ours"] and stock["output_processor"] == (
         "vllm.v1.engine.output_processor.OutputProcessor")
     assert ours["counters"]["fast_steps"] > 0 and ours["counters"]["native_detok"] == 1

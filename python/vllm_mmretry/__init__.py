@@ -25,7 +25,7 @@ from vllm_mmretry.plugin import register
 if TYPE_CHECKING:
     from vllm_mmretry.output_processor import OutputProcessor
 
-__all__ = ["OutputProcessor", "install", "register", "uninstall", "__version__"]
+__all__ = ["OutputProcessor", "__version__", "install", "register", "uninstall"]
 
 
 def install() -> list[str]:

@@ -186,7 +186,7 @@ def _serve_parser() -> Any:
 def parse_serve_args(target: str | None, flags: list[str]) -> argparse.Namespace:
     """The namespace `vllm serve TARGET FLAGS...` would run with."""
     argv = ([target] if target else []) + flags
-    args = _serve_parser().parse_args(argv)
+    args: argparse.Namespace = _serve_parser().parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     return args

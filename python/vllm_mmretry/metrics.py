@@ -195,7 +195,7 @@ def flush() -> None:
     for op, seen in mine:
         try:
             _publish(_metrics, op.counters(), seen)
-        except Exception:  # noqa: BLE001 - metrics must never break serving
+        except Exception:
             _logger.exception("vllm-mmretry: publishing metrics failed")
 
 

@@ -49,7 +49,8 @@ def _vllm_logger() -> logging.Logger:
     try:
         from vllm.logger import init_logger
 
-        return init_logger("vllm.vllm_mmretry")
+        vllm_logger: logging.Logger = init_logger("vllm.vllm_mmretry")
+        return vllm_logger
     except ImportError:
         return logger
 

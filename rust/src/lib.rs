@@ -27,6 +27,7 @@ mod tests {
         assert_eq!(super::VERSION, env!("CARGO_PKG_VERSION"));
         let parts: Vec<&str> = super::VERSION.split('.').collect();
         assert_eq!(parts.len(), 3, "{}", super::VERSION);
-        assert!(parts.iter().all(|p| p.parse::<u64>().is_ok()), "{}", super::VERSION);
+        let numeric = parts.iter().all(|p| p.parse::<u64>().is_ok());
+        assert!(numeric, "{}", super::VERSION);
     }
 }
