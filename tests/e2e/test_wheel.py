@@ -77,7 +77,8 @@ def test_installed_wheel_is_not_the_source_tree(wheel_venv: pathlib.Path) -> Non
         "import json, sys, importlib.metadata as m, vllm_mmretry, vllm_mmretry._core as c; "
         "print(json.dumps({'file': vllm_mmretry.__file__, 'core': c.__file__, "
         "'version': vllm_mmretry.__version__, 'dist': m.version('vllm-mmretry'), "
-        "'eps': [e.value for e in m.entry_points(group='vllm.general_plugins')], "
+        "'eps': [e.value for e in m.entry_points(group='vllm.general_plugins') "
+        "if e.name == 'vllm_mmretry'], "
         "'path': sys.path}))")], wheel_venv.parent)
     r = json.loads(out)
     site = str(wheel_venv / "lib")
