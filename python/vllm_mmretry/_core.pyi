@@ -1,8 +1,13 @@
 from collections.abc import Iterable
 from typing import Any, final
 
-__all__ = ["__version__", "OutputCore", "NativeVocab", "NativeDetokenizer",
-           "native_detok_fallback_reason"]
+__all__ = [
+    "NativeDetokenizer",
+    "NativeVocab",
+    "OutputCore",
+    "__version__",
+    "native_detok_fallback_reason",
+]
 
 __version__: str
 
@@ -16,7 +21,9 @@ class OutputCore:
     # Write-only: the vocabulary requests added afterwards detokenize with (None: Python).
     native_vocab: NativeVocab | None
     has_native_vocab: bool
-    def __new__(cls, classes: tuple[type, ...], helpers: tuple[Any, ...], lora_states: Any) -> OutputCore:
+    def __new__(
+        cls, classes: tuple[type, ...], helpers: tuple[Any, ...], lora_states: Any
+    ) -> OutputCore:
         """classes: (EngineCoreOutput, RequestOutput, CompletionOutput,
         RequestOutputCollector, WeightVersionSpan, FinishReason); helpers:
         (fallback_step, abort_output, error_output, finished_stats, adopt_native)."""
