@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
-.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py clean
+.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py clean test-fast lint wheel
 
 setup: $(STAMP)/package
 
@@ -50,6 +50,23 @@ test-rust: vocabs
 
 test-py: setup
 	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+# The edit-test loop: every test that starts no server and builds nothing big
+# (markers e2e and slow, see pyproject.toml), with the slowest ones listed.
+test-fast: setup
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow" --durations=15 tests
+
+# Code health. Tools come from requirements/dev.txt (installed by `make setup`).
+lint: setup
+	cargo clippy --release -- -D warnings
+	cargo fmt --check
+	$(VENV)/bin/ruff check python tests tools benches
+	$(VENV)/bin/mypy --strict python/
+
+# One abi3 wheel into target/wheels (version: Cargo.toml).
+wheel: setup
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH \
+	  $(VENV)/bin/maturin build --release --out target/wheels
 
 bench: setup bench-rust bench-py
 

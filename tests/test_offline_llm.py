@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -46,6 +48,7 @@ def _run(model: str, enabled: bool) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow  # two engine start-ups
 def test_offline_llm_same_text_as_stock(tiny_model_path: str) -> None:
     ours = _run(tiny_model_path, True)
     stock = _run(tiny_model_path, False)

@@ -89,6 +89,7 @@ def plain_server(tiny_model_path):
         yield s
 
 
+@pytest.mark.e2e  # starts a real server
 def test_plugin_active_in_api_server_and_engine_core_of_a_running_server(plain_server) -> None:
     import urllib.request
 

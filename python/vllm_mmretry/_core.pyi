@@ -1,9 +1,20 @@
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, final
+
+__all__ = [
+    "NativeDetokenizer",
+    "NativeVocab",
+    "OutputCore",
+    "__version__",
+    "native_detok_fallback_reason",
+]
 
 from vllm_mmretry.vllm_adapter.base import CoreSpec, FastSpec
 
 __version__: str
 
+# PyO3 classes: built by __new__, not subclassable.
+@final
 class OutputCore:
     """Request table and per-step loop behind vllm_mmretry.OutputProcessor."""
 
@@ -12,7 +23,7 @@ class OutputCore:
     # Write-only: the vocabulary requests added afterwards detokenize with (None: Python).
     native_vocab: NativeVocab | None
     has_native_vocab: bool
-    def __init__(self, spec: CoreSpec) -> None:
+    def __new__(cls, spec: CoreSpec) -> OutputCore:
         """`spec`: built by the adapter of the running vLLM (read by field name)."""
     def add(
         self,
@@ -53,11 +64,12 @@ class OutputCore:
 
 # --- native incremental detokenizer (rust/src/detok.rs) ---------------------------
 
+@final
 class NativeVocab:
     """A HF fast tokenizer definition loaded once in Rust; share it between requests."""
 
     fast_decoder: bool
-    def __init__(self, json: str) -> None:
+    def __new__(cls, json: str) -> NativeVocab:
         """From `tokenizer._tokenizer.to_str()` (exactly what vLLM decodes with)."""
     @staticmethod
     def from_file(path: str) -> NativeVocab: ...
@@ -66,13 +78,14 @@ class NativeVocab:
         self, n_random: int = 2000, max_len: int = 8, seed: int = 0
     ) -> list[tuple[list[int], bool, str, str]]: ...
 
+@final
 class NativeDetokenizer:
     """vLLM 0.32's FastIncrementalDetokenizer (+ stop strings), step for step."""
 
     output_token_ids: list[int]
     output_text: str
-    def __init__(
-        self,
+    def __new__(
+        cls,
         vocab: NativeVocab,
         prompt_token_ids: list[int] | None,
         *,
@@ -81,7 +94,7 @@ class NativeDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
-    ) -> None: ...
+    ) -> NativeDetokenizer: ...
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
     def get_next_output_text(self, finished: bool, delta: bool) -> str: ...
     def num_output_tokens(self) -> int: ...

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm_mmretry import _core
+from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 from vllm_mmretry.vllm_adapter.base import SelfCheck
 
@@ -125,6 +126,7 @@ class OutputProcessor:
             vocab, self._detok_reason = None, "self_check"
         self._core = _core.OutputCore(_vllm.core_spec(self.lora_states, tracing_enabled, self._check))
         self._core.native_vocab = vocab
+        _metrics.track(self)  # vllm-mmretry metrics hook: publishes counters(), off the step path
 
     # P0's multimodal sender cache (or the renderer holding it), for invalidation.
     @property

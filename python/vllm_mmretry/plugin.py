@@ -102,10 +102,23 @@ def active_patches() -> list[str]:
     return list(_state or [])
 
 
-def _reset_for_tests() -> None:
-    """Undo all patches so a test can compare with stock vLLM in-process."""
+def uninstall() -> list[str]:
+    """Undo every patch `register()` made in this process (newest first), and the
+    `RequestOutput.error` class default it added; `register()` may run again."""
     global _state
     from vllm_mmretry import _patching
 
-    _patching.restore_all()
+    restored = _patching.restore_all()
+    restored.extend(_remove_request_output_error())
     _state = None
+    return restored
+
+
+def _remove_request_output_error() -> list[str]:
+    found = vllm_adapter.get()
+    return found.remove_request_output_error() if found is not None else []
+
+
+def _reset_for_tests() -> None:
+    """Undo all patches so a test can compare with stock vLLM in-process."""
+    uninstall()

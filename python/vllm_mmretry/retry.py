@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mmretry import _patching
+from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 
 MM_CACHE_MISS = "multimodal_cache_miss"
@@ -59,6 +60,7 @@ def _log_final(request_id: str, endpoint: str, error: Any) -> None:
     _log().warning(
         "vllm-mmretry: request %s failed again after its retry (endpoint %s, error %s, "
         "attempt 2 of 2); answering 503", request_id, endpoint, error.code)
+    _metrics.count_retry(endpoint, "failed_again")  # vllm-mmretry metrics hook
 
 
 @dataclass
@@ -104,6 +106,7 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
             if error is not None:
                 _log_final(request_id, call.endpoint, error)
                 raise adapter().retryable_request_error()(error.message)
+            _metrics.count_retry(call.endpoint, "recovered")  # vllm-mmretry metrics hook
         if first is None:
             return
         call.delivered = call.delivered or call.stream
@@ -197,7 +200,9 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
 
         adapter().wrap_pooling_results(attempt, tap)
         try:
-            return await adapter().pooling_finish(self, attempt)
+            response = await adapter().pooling_finish(self, attempt)
+            _metrics.count_retry(where, "recovered")  # vllm-mmretry metrics hook
+            return response
         except retryable:
             if not taps[0].errors:
                 raise  # not an engine result we saw: leave it alone
@@ -211,7 +216,9 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
                                               request_id=request_id)
         adapter().wrap_pooling_results(attempt, tap)
         try:
-            return await adapter().pooling_finish(self, attempt)
+            response = await adapter().pooling_finish(self, attempt)
+            _metrics.count_retry(where, "recovered")  # vllm-mmretry metrics hook
+            return response
         except retryable:
             errors = taps[-1].errors
             _log_final(request_id, where, errors[0] if errors else error)

@@ -22,7 +22,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn version_is_the_crate_version() {
-        assert_eq!(super::VERSION, "0.1.0");
+    fn version_is_the_crate_version_in_semver_form() {
+        // Cargo.toml is the one place the version is written (maturin's dynamic version).
+        assert_eq!(super::VERSION, env!("CARGO_PKG_VERSION"));
+        let parts: Vec<&str> = super::VERSION.split('.').collect();
+        assert_eq!(parts.len(), 3, "{}", super::VERSION);
+        let numeric = parts.iter().all(|p| p.parse::<u64>().is_ok());
+        assert!(numeric, "{}", super::VERSION);
     }
 }

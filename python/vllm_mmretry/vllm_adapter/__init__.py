@@ -105,6 +105,14 @@ def when_vllm_logging_ready(emit: Callable[[], None]) -> None:
     vlog.configure_logging = configure_then_emit
 
 
+def vllm_plugins_setting() -> list[str] | None:
+    """vLLM's `VLLM_PLUGINS` as vLLM reads it (None: load every plugin)."""
+    import vllm.envs as envs
+
+    value: list[str] | None = envs.VLLM_PLUGINS
+    return value
+
+
 def vllm_cli_main() -> Callable[[], None]:
     """vLLM's CLI entry (`vllm serve ...`)."""
     from vllm.entrypoints.cli.main import main

@@ -38,6 +38,7 @@ from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, LoRARequestStates
 
 from vllm_mmretry import _core
+from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter.base import (
     CO_FILLED,
     RO_FILLED,
@@ -110,6 +111,7 @@ def _ro_add(self: RequestOutput, next_output: RequestOutput, aggregate: bool) ->
 
 
 def miss_error(hashes: list[str]) -> RequestError:
+    _metrics.count_cache_miss()  # vllm-mmretry metrics hook
     n = len(hashes)
     return RequestError(
         code=MISS_CODE,
@@ -175,6 +177,7 @@ def _fallback_step(
         request_error = RequestError(
             code=MISS_CODE, message="Multi-modal processor cache miss.", retryable=True
         )
+        _metrics.count_cache_miss()  # vllm-mmretry metrics hook
         pooling_output = EMPTY_CPU_TENSOR
 
     if pooling_output is None:
@@ -688,6 +691,39 @@ class Adapter(VllmAdapter):
         from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
 
         return LruKeyReplicatedReceiverCache, MultiModalCacheMissError
+
+    # --- doctor
+    def serve_parser(self) -> Any:
+        """`vllm serve`'s own argument parser."""
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+    def serve_cache_type(self, args: Any, api_servers: int) -> str | None:
+        """The multimodal cache type `vllm serve` with `args` picks in an API server."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        engine_args._api_process_count = max(api_servers, 1)
+        engine_args._api_process_rank = -1 if api_servers > 1 else 0
+        config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        module, name = self.mm_cache_type_lookup()
+        cache_type: str | None = getattr(module, name)(config)
+        return cache_type
+
+    def load_tokenizer(self, source: str, mode: str, trust_remote_code: bool) -> Any:
+        from vllm.tokenizers import get_tokenizer
+
+        return get_tokenizer(source, tokenizer_mode=mode, trust_remote_code=trust_remote_code)
+
+    def remove_request_output_error(self) -> list[str]:
+        """Drop the `RequestOutput.error` class default `ensure_request_output_error` added."""
+        if "error" in RequestOutput.__dict__ and RequestOutput.__dict__["error"] is None:
+            del RequestOutput.error  # type: ignore[attr-defined]
+            return ["RequestOutput.error"]
+        return []
 
     def mm_cache_type_lookup(self) -> tuple[Any, str]:
         """(module, function name) of the lookup every multimodal cache factory calls to

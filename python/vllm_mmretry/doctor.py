@@ -1,0 +1,256 @@
+"""`vllm-mmretry doctor [MODEL_OR_FOLDER] [serve flags...] [--json]`.
+
+Answers, for this environment and the given `vllm serve` arguments: is the installed
+vLLM supported; will vLLM load the plugin (entry point, VLLM_PLUGINS, VLLM_MMRETRY);
+does the native core match the installed package; does the model's tokenizer run
+on the native detokenizer (and if not, why); which multimodal processor cache
+layout `vllm serve` would build, and whether P0/P1 drift can happen in it.
+
+Each answer is a check with a status: ok, warn (works, but not at full speed or
+not as configured), fail (the plugin will not do its job), skip (not applicable).
+The exit status is 1 when any check fails, else 0.
+
+The layout is vLLM's own answer: the serve flags go through vLLM's serve argument
+parser and engine arguments into a `VllmConfig`, then through the cache-type
+function every cache factory calls (the adapter's `mm_cache_type_lookup`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm_mmretry import vllm_adapter
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "vllm_mmretry"
+PLUGIN_VALUE = "vllm_mmretry:register"
+DISTRIBUTION = "vllm-mmretry"
+
+# What each cache type means for the processes and for drift (vllm/multimodal/cache/).
+LAYOUTS: dict[str | None, tuple[str, bool]] = {
+    "lru": ("P0 (API server) keeps a metadata-only LruKeyReplicatedSenderCache, P1 "
+            "(engine core) the tensors in an LruKeyReplicatedReceiverCache: the split "
+            "that can drift; the plugin recovers from a P1 miss", True),
+    "shm": ("the API server writes items into a shared-memory object store "
+            "(ShmObjectStoreSenderCache) that the worker reads "
+            "(ShmObjectStoreReceiverCache); the sender owns the store", False),
+    "processor_only": ("every API server keeps its own MultiModalProcessorOnlyCache and "
+                       "items always travel with their data; the engine keeps no "
+                       "receiver cache", False),
+    None: ("no multimodal processor cache (text-only model or cache disabled)", False),
+}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    summary: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ checks
+
+
+def check_vllm() -> Check:
+    version = vllm_adapter.installed_vllm_version()
+    supported = sorted(vllm_adapter.SUPPORTED_VLLM_VERSIONS)
+    details = {"version": version, "supported_versions": supported}
+    if version is None:
+        return Check("vllm", FAIL, "vLLM is not installed", details)
+    if not vllm_adapter.is_supported(version):
+        return Check("vllm", FAIL, f"vLLM {version} is not supported (supported: "
+                     f"{', '.join(supported)}); the plugin leaves it unpatched", details)
+    return Check("vllm", OK, f"vLLM {version} is supported", details)
+
+
+def check_plugin_loading() -> Check:
+    eps = [ep for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)
+           if ep.name == PLUGIN_NAME]
+    allowed = vllm_adapter.vllm_plugins_setting()
+    switch = os.environ.get("VLLM_MMRETRY", "1")
+    details: dict[str, Any] = {"entry_points": [ep.value for ep in eps],
+                               "VLLM_PLUGINS": allowed, "VLLM_MMRETRY": switch}
+    if [ep.value for ep in eps] != [PLUGIN_VALUE]:
+        return Check("plugin", FAIL, f"entry point {PLUGIN_GROUP}:{PLUGIN_NAME} -> "
+                     f"{PLUGIN_VALUE} not found exactly once (found {details['entry_points']})",
+                     details)
+    try:
+        loaded = eps[0].load()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return Check("plugin", FAIL, f"the entry point does not load: {exc!r}", details)
+    from vllm_mmretry.plugin import register
+
+    if loaded is not register:
+        return Check("plugin", FAIL, "the entry point loads another copy of vllm_mmretry "
+                     f"({getattr(loaded, '__module__', loaded)})", details)
+    if allowed is not None and PLUGIN_NAME not in allowed:
+        return Check("plugin", FAIL, f"VLLM_PLUGINS={','.join(allowed)} does not list "
+                     f"{PLUGIN_NAME}: vLLM will not load the plugin", details)
+    if switch.strip().lower() in ("0", "false", "off", "no"):
+        return Check("plugin", WARN, f"VLLM_MMRETRY={switch}: the plugin loads but patches "
+                     "nothing", details)
+    return Check("plugin", OK, "vLLM will load the plugin in every process "
+                 f"({'all plugins allowed' if allowed is None else 'listed in VLLM_PLUGINS'})",
+                 details)
+
+
+def check_native_core() -> Check:
+    from vllm_mmretry import _core
+
+    core = _core.__version__
+    try:
+        dist: str | None = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    details = {"core_version": core, "package_version": dist,
+               "core_path": getattr(_core, "__file__", None)}
+    if dist != core:
+        return Check("native_core", FAIL, f"native core {core} does not match the installed "
+                     f"package {dist}: a stale build; reinstall or `make setup`", details)
+    return Check("native_core", OK, f"native core {core} matches the package", details)
+
+
+def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
+    if target is None:
+        return Check("tokenizer", SKIP, "no model or folder given")
+    from vllm_mmretry.output_processor import NATIVE_DETOK_ENV, native_vocab
+
+    source = getattr(args, "tokenizer", None) or target
+    mode = getattr(args, "tokenizer_mode", None) or "auto"
+    details: dict[str, Any] = {"tokenizer": source, "tokenizer_mode": mode}
+    try:
+        tokenizer = _load_tokenizer(source, mode, bool(getattr(args, "trust_remote_code", False)))
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        details["error"] = repr(exc)
+        return Check("tokenizer", FAIL, f"vLLM cannot load the tokenizer of {source}: {exc}",
+                     details)
+    details["class"] = type(tokenizer).__name__
+    if os.environ.get(NATIVE_DETOK_ENV, "1").lower() in ("0", "false", "no", "off"):
+        details["reason"] = "disabled"
+        return Check("tokenizer", WARN, f"{NATIVE_DETOK_ENV}=0: vLLM's Python detokenizer "
+                     "runs", details)
+    vocab, reason = native_vocab(tokenizer)
+    details["reason"] = reason
+    if vocab is None:
+        return Check("tokenizer", WARN, f"{type(tokenizer).__name__} runs on vLLM's Python "
+                     f"detokenizer (reason: {reason}); the output loop is still native", details)
+    details["vocab_size"] = tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
+    return Check("tokenizer", OK, f"{type(tokenizer).__name__} "
+                 f"({details['vocab_size']} tokens) runs on the native detokenizer", details)
+
+
+def check_cache_layout(target: str | None, args: argparse.Namespace | None) -> Check:
+    if target is None or args is None:
+        return Check("mm_cache", SKIP, "no model given")
+    if os.path.isdir(target) and not os.path.exists(os.path.join(target, "config.json")):
+        return Check("mm_cache", SKIP, f"{target} has no config.json (a tokenizer folder, "
+                     "not a model)")
+    try:
+        cache_type, api_servers = _serve_cache_type(args)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return Check("mm_cache", FAIL, f"vLLM rejects the model or flags: {exc}",
+                     {"error": repr(exc)})
+    description, drift = LAYOUTS.get(cache_type, ("unknown cache type", True))
+    details = {"cache_type": cache_type, "api_servers": api_servers, "drift_possible": drift,
+               "layout": description}
+    name = cache_type or "none"
+    return Check("mm_cache", OK, f"{name} with {api_servers} API server(s): {description}; "
+                 f"drift {'possible' if drift else 'not possible'}", details)
+
+
+# ------------------------------------------------------- vLLM seams
+# Everything version-specific is the adapter's (vllm_adapter); only `vllm serve`'s
+# API-server default is reproduced here.
+
+
+def parse_serve_args(target: str | None, flags: list[str]) -> argparse.Namespace:
+    """The namespace `vllm serve TARGET FLAGS...` would run with."""
+    argv = ([target] if target else []) + flags
+    args: argparse.Namespace = vllm_adapter.adapter().serve_parser().parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    return args
+
+
+def _api_server_count(args: argparse.Namespace) -> int:
+    # `vllm serve` decides this inside ServeSubcommand.cmd (not callable on its
+    # own); the same defaults, for the layouts that matter here.
+    if args.headless:
+        return 0
+    if args.api_server_count is not None:
+        return int(args.api_server_count)
+    if args.data_parallel_external_lb or args.data_parallel_rank is not None:
+        return 1
+    if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
+        return int(args.data_parallel_size_local or 1)
+    return int(args.data_parallel_size)
+
+
+def _serve_cache_type(args: argparse.Namespace) -> tuple[str | None, int]:
+    api_servers = _api_server_count(args)
+    return vllm_adapter.adapter().serve_cache_type(args, api_servers), api_servers
+
+
+def _load_tokenizer(source: str, mode: str, trust_remote_code: bool) -> Any:
+    return vllm_adapter.adapter().load_tokenizer(source, mode, trust_remote_code)
+
+
+# ------------------------------------------------------------------ report
+
+
+def run_checks(target: str | None, flags: list[str]) -> list[Check]:
+    checks = [check_vllm(), check_plugin_loading(), check_native_core()]
+    if checks[0].status == FAIL:
+        if target is not None:
+            checks.append(Check("tokenizer", SKIP, "needs a supported vLLM"))
+            checks.append(Check("mm_cache", SKIP, "needs a supported vLLM"))
+        return checks
+    args = None
+    if target is not None:
+        try:
+            args = parse_serve_args(target, flags)
+        except SystemExit:
+            checks.append(Check("serve_args", FAIL, f"vllm serve rejects the flags {flags}"))
+            return checks
+    checks.append(check_tokenizer(target, args))
+    checks.append(check_cache_layout(target, args))
+    return checks
+
+
+def exit_status(checks: list[Check]) -> int:
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def render_text(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [f"[{c.status.upper():4}] {c.name:<{width}}  {c.summary}" for c in checks]
+    verdict = "problems found" if exit_status(checks) else "all is well"
+    lines.append(f"vllm-mmretry doctor: {verdict}")
+    return "\n".join(lines)
+
+
+def render_json(checks: list[Check]) -> str:
+    return json.dumps({"ok": exit_status(checks) == 0,
+                       "checks": {c.name: asdict(c) for c in checks}}, indent=2, default=str)
+
+
+def main(argv: list[str]) -> int:
+    """`argv`: [MODEL_OR_FOLDER] [serve flags...] [--json]."""
+    as_json = "--json" in argv
+    rest = [a for a in argv if a != "--json"]
+    if rest and rest[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    target = rest[0] if rest and not rest[0].startswith("-") else None
+    flags = rest[1:] if target is not None else rest
+    checks = run_checks(target, flags)
+    print(render_json(checks) if as_json else render_text(checks))
+    sys.stdout.flush()
+    return exit_status(checks)

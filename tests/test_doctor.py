@@ -1,0 +1,131 @@
+"""`vllm-mmretry doctor` as an operator runs it (a fresh interpreter through the CLI):
+on the tiny LLaVA model (lru layout; processor_only with two API servers; shm; cache
+off), on the Tekken vocabulary folder, text and JSON, and exit status 1 when vLLM's
+version is not supported or VLLM_PLUGINS leaves the plugin out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+PY = sys.executable
+# vLLM's version faked before the doctor asks for it (the way test_plugin fakes it).
+FAKE_VERSION = textwrap.dedent("""
+    import sys, vllm
+    vllm.__version__ = "0.31.9"
+    sys.argv = ["vllm-mmretry", *sys.argv[1:]]
+    from vllm_mmretry.cli import main
+    main()
+""")
+
+
+def doctor(*args: str, code: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = [PY, "-c", code, *args] if code else [PY, "-m", "vllm_mmretry.cli", *args]
+    return subprocess.run(["env", "-u", "VLLM_PLUGINS", *cmd] if "VLLM_PLUGINS" not in env
+                          else cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+
+def report(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
+    proc = doctor(*args, "--json", **env)
+    try:
+        return proc.returncode, json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise AssertionError(f"stdout is not JSON:\n{proc.stdout[-2000:]}\n"
+                             f"{proc.stderr[-3000:]}") from exc
+
+
+@pytest.fixture(scope="module")
+def tekken_path() -> str:
+    from tekken_tokenizer import ensure_tekken_tokenizer
+
+    return str(ensure_tekken_tokenizer())
+
+
+def test_tiny_model_text_report(tiny_model_path: str) -> None:
+    proc = doctor("doctor", tiny_model_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "vllm-mmretry doctor: all is well"
+    by_name = {line.split()[2]: line for line in lines[:-1]}
+    assert set(by_name) == {"vllm", "plugin", "native_core", "tokenizer", "mm_cache"}
+    assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
+    assert "vLLM 0.32.0 is supported" in by_name["vllm"]
+    assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
+    assert "lru with 1 API server(s)" in by_name["mm_cache"]
+    assert "drift possible" in by_name["mm_cache"]
+
+
+def test_tiny_model_json_report_for_two_api_servers(tiny_model_path: str) -> None:
+    from vllm_mmretry import __version__
+
+    status, r = report("doctor", tiny_model_path, "--api-server-count", "2")
+    assert status == 0 and r["ok"] is True, r
+    checks = r["checks"]
+    assert checks["vllm"]["details"]["version"] == "0.32.0"
+    assert checks["plugin"]["details"]["entry_points"] == ["vllm_mmretry:register"]
+    assert checks["native_core"]["details"]["core_version"] == __version__
+    assert checks["tokenizer"]["status"] == "ok"
+    assert checks["tokenizer"]["details"]["reason"] is None
+    cache = checks["mm_cache"]["details"]
+    assert (cache["cache_type"], cache["api_servers"], cache["drift_possible"]) == (
+        "processor_only", 2, False)
+
+
+@pytest.mark.parametrize(("flags", "cache_type", "drift"), [
+    (["--mm-processor-cache-type", "shm"], "shm", False),
+    (["--mm-processor-cache-gb", "0"], None, False),
+])
+def test_tiny_model_other_layouts(tiny_model_path: str, flags: list[str],
+                                  cache_type: str | None, drift: bool) -> None:
+    status, r = report("doctor", tiny_model_path, *flags)
+    assert status == 0, r
+    cache = r["checks"]["mm_cache"]["details"]
+    assert (cache["cache_type"], cache["drift_possible"]) == (cache_type, drift)
+
+
+def test_tekken_vocabulary_text_and_json(tekken_path: str) -> None:
+    status, r = report("doctor", tekken_path)
+    assert status == 0, r
+    tok = r["checks"]["tokenizer"]
+    assert tok["status"] == "ok" and tok["details"]["vocab_size"] == 131072, tok
+    assert r["checks"]["mm_cache"]["status"] == "skip"  # a tokenizer folder, not a model
+    proc = doctor("doctor", tekken_path)
+    assert proc.returncode == 0
+    assert "(131072 tokens) runs on the native detokenizer" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "vllm-mmretry doctor: all is well"
+
+
+def test_native_detokenizer_switched_off_is_a_warning_with_its_reason(tekken_path: str) -> None:
+    status, r = report("doctor", tekken_path, VLLM_MMRETRY_NATIVE_DETOK="0")
+    assert status == 0
+    assert r["checks"]["tokenizer"]["status"] == "warn"
+    assert r["checks"]["tokenizer"]["details"]["reason"] == "disabled"
+
+
+def test_unsupported_vllm_exits_1() -> None:
+    proc = doctor("doctor", "--json", code=FAKE_VERSION)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["ok"] is False
+    assert r["checks"]["vllm"]["status"] == "fail"
+    assert "0.31.9 is not supported" in r["checks"]["vllm"]["summary"]
+    text = doctor("doctor", code=FAKE_VERSION)
+    assert text.returncode == 1
+    assert text.stdout.splitlines()[-1] == "vllm-mmretry doctor: problems found"
+    assert text.stdout.startswith("[FAIL] vllm")
+
+
+def test_vllm_plugins_without_us_exits_1() -> None:
+    status, r = report("doctor", VLLM_PLUGINS="some_other_plugin")
+    assert status == 1
+    assert r["checks"]["plugin"]["status"] == "fail"
+    assert "does not list vllm_mmretry" in r["checks"]["plugin"]["summary"]
+    status, r = report("doctor", VLLM_PLUGINS="some_other_plugin,vllm_mmretry")
+    assert status == 0 and r["checks"]["plugin"]["status"] == "ok"
