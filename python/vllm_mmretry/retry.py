@@ -8,6 +8,8 @@ that before any part of its answer reached the client, the endpoint re-renders t
 retained request (`skip_mm_cache=True` after a cache miss, so the image data travels
 again) and submits it once more. A second failure is vLLM's RetryableRequestError:
 HTTP 503 with `Retry-After` and `x-should-retry: true`, or an error event in a stream.
+Retries are spent from the API server's retry budget (budget.py): past it, the first
+failure is answered that way at once.
 
 Nothing is raised below the endpoints: every other consumer of the engine
 (Responses, batch, beam search, ...) still receives the terminal output and applies
@@ -24,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mmretry import _patching, compat
+from vllm_mmretry import _patching, budget, compat
 
 MM_CACHE_MISS = "multimodal_cache_miss"
 # Headers on the final 503 so stock OpenAI clients retry on their own.
@@ -62,6 +64,11 @@ def _log_final(request_id: str, endpoint: str, error: Any) -> None:
         "attempt 2 of 2); answering 503", request_id, endpoint, error.code)
 
 
+def _retry_allowed(endpoint: str) -> bool:
+    """The one place a retry is granted: the API server's retry budget decides."""
+    return budget.current().try_withdraw(endpoint)
+
+
 @dataclass
 class _EndpointCall:
     """One call of a generation endpoint: how to re-render its retained request,
@@ -92,6 +99,8 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
         if error is not None and not call.delivered:
             if call.retried:  # the endpoint's one retry went to another prompt
                 _log_final(request_id, call.endpoint, error)
+                raise compat.retryable_request_error()(error.message)
+            if not _retry_allowed(call.endpoint):  # counted and logged by the budget
                 raise compat.retryable_request_error()(error.message)
             call.retried = True
             await gen.aclose()
@@ -155,6 +164,7 @@ def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
             return render(self, _copy(source), skip_mm_cache)
 
         call = _EndpointCall(_endpoint(raw_request, endpoint), rerender, bool(request.stream))
+        budget.current().deposit(call.endpoint)
         token = _CALL.set(call)
         try:
             return await original(self, request, raw_request)
@@ -189,6 +199,8 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
         if raw_request is None:  # not an API-server HTTP request (e.g. run_batch)
             return await original(self, request, raw_request)
         source = _copy(request)
+        where = _endpoint(raw_request, type(self).__name__)
+        budget.current().deposit(where)
         attempt = await compat.pooling_submit(self, request, raw_request)
         taps: list[_ErrorTap] = []
 
@@ -202,11 +214,12 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
         except retryable:
             if not taps[0].errors:
                 raise  # not an engine result we saw: leave it alone
+            if not _retry_allowed(where):  # counted and logged by the budget
+                raise
             error = taps[0].errors[0]
         await compat.pooling_close(attempt)
         request_id = compat.pooling_request_id(attempt)
         skip = any(e.code == MM_CACHE_MISS for e in taps[0].errors)
-        where = _endpoint(raw_request, type(self).__name__)
         _log_retry(request_id, where, error, skip)
         attempt = await compat.pooling_submit(self, source, raw_request, skip_mm_cache=skip,
                                               request_id=request_id)
@@ -268,6 +281,7 @@ def _wrap_responses_sse(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> list[str]:
+    budget.install(log=lambda message: _log().warning("%s", message))
     s = compat.retry_seams()
     orig = _patching.original
     sse_module, sse_name = compat.responses_sse_writer()
