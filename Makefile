@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
-.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py clean test-fast lint wheel
+.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py soak clean test-fast lint wheel
 
 setup: $(STAMP)/package
 
@@ -75,6 +75,13 @@ bench-rust: vocabs
 
 bench-py: setup
 	$(VPY) benches/bench_output_loop.py
+
+# Soak with random P1 misses (tests/e2e/test_soak.py): N requests after a warm-up,
+# figures in .cache/soak-report.json. `make soak N=2000` for a long run by hand.
+N ?= 200
+soak: setup
+	SOAK_REQUESTS=$(N) SOAK_REPORT=$(abspath .cache)/soak-report.json \
+	  $(VPY) -m pytest -q -s -p no:cacheprovider tests/e2e/test_soak.py
 
 clean:
 	rm -rf target $(VENV) .cache

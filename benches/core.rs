@@ -1,4 +1,5 @@
-//! Criterion benches for the pure-Rust core: the native incremental detokenizer.
+//! Criterion benches for the pure-Rust core: the native incremental detokenizer,
+//! and the request table under a flood of colliding request ids.
 //!
 //! A batch of 1024 requests, each stepping one token per engine step (update + delta
 //! text), as vLLM's output loop does at batch 1024. Throughput is request-steps.
@@ -11,7 +12,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use vllm_mmretry::detok::{DetokParams, DetokState, Vocab};
-use vllm_mmretry::table::Table;
+use vllm_mmretry::table::{flood_ids, FxBuild, IdBuild, Table};
 
 const BATCH: usize = 1024;
 const TEXT: &str = "The quick brown fox jumps over the lazy dog, then writes a short essay \
@@ -135,9 +136,68 @@ fn loop_step(c: &mut Criterion) {
     g.finish();
 }
 
+const FLOOD: usize = 2048;
+
+/// Same-length (16 ASCII bytes) ids from a fixed pseudo-random sequence.
+fn random_ids(n: usize) -> Vec<String> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            format!("{:016x}", x)
+        })
+        .collect()
+}
+
+/// Client-chosen ids: `FLOOD` requests added, each looked up, all finished, with
+/// ids built to collide under the former FxHash vs random ids. The table (keyed
+/// SipHash) should cost the same for both; a plain FxHash map shows the flood.
+fn table_flood(c: &mut Criterion) {
+    let mut g = c.benchmark_group("table_2048_ids");
+    g.throughput(Throughput::Elements(FLOOD as u64));
+    let kinds = [("random", random_ids(FLOOD)), ("fx_colliding", flood_ids(FLOOD))];
+    for (kind, ids) in &kinds {
+        g.bench_function(format!("table/{kind}"), |bench| {
+            bench.iter(|| {
+                let mut t: Table<usize> = Table::default();
+                for (i, id) in ids.iter().enumerate() {
+                    t.insert(id, id, i).unwrap();
+                }
+                let mut n = 0;
+                for id in ids {
+                    n += t.slot_of(id).unwrap();
+                }
+                for id in ids {
+                    t.remove(id);
+                }
+                black_box(n)
+            })
+        });
+    }
+    for (label, build) in [("fxhash_map", None), ("siphash_map", Some(IdBuild::default()))] {
+        for (kind, ids) in &kinds {
+            g.bench_function(format!("{label}/{kind}"), |bench| {
+                bench.iter(|| match &build {
+                    None => black_box(fill_and_read(ids, FxBuild::default())),
+                    Some(b) => black_box(fill_and_read(ids, b.clone())),
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+fn fill_and_read<S: std::hash::BuildHasher>(ids: &[String], build: S) -> usize {
+    let mut m: std::collections::HashMap<&str, usize, S> = std::collections::HashMap::with_hasher(build);
+    for (i, id) in ids.iter().enumerate() {
+        m.insert(id, i);
+    }
+    ids.iter().map(|id| m[id.as_str()]).sum()
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(3));
-    targets = detok, loop_step
+    targets = detok, loop_step, table_flood
 }
 criterion_main!(benches);

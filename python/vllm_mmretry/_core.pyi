@@ -73,21 +73,25 @@ class NativeVocab:
         """From `tokenizer._tokenizer.to_str()` (exactly what vLLM decodes with)."""
     @staticmethod
     def from_file(path: str) -> NativeVocab: ...
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
     def self_check(
         self, n_random: int = 2000, max_len: int = 8, seed: int = 0
     ) -> list[tuple[list[int], bool, str, str]]: ...
 
 @final
 class NativeDetokenizer:
-    """vLLM 0.32's FastIncrementalDetokenizer (+ stop strings), step for step."""
+    """vLLM 0.32's FastIncrementalDetokenizer (+ stop strings), step for step.
+
+    Token ids that are not ints raise TypeError, ints outside 0..2**32-1 ValueError;
+    an internal failure is a RuntimeError, after which the detokenizer refuses
+    further calls (its state may be half-updated)."""
 
     output_token_ids: list[int]
     output_text: str
     def __new__(
         cls,
         vocab: NativeVocab,
-        prompt_token_ids: list[int] | None,
+        prompt_token_ids: Iterable[int] | None,
         *,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
@@ -95,7 +99,7 @@ class NativeDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> NativeDetokenizer: ...
-    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
+    def update(self, new_token_ids: Iterable[int], stop_terminated: bool) -> str | None: ...
     def get_next_output_text(self, finished: bool, delta: bool) -> str: ...
     def num_output_tokens(self) -> int: ...
 

@@ -8,6 +8,8 @@ that before any part of its answer reached the client, the endpoint re-renders t
 retained request (`skip_mm_cache=True` after a cache miss, so the image data travels
 again) and submits it once more. A second failure is vLLM's RetryableRequestError:
 HTTP 503 with `Retry-After` and `x-should-retry: true`, or an error event in a stream.
+Retries are spent from the API server's retry budget (budget.py): past it, the first
+failure is answered that way at once.
 
 Nothing is raised below the endpoints: every other consumer of the engine
 (Responses, batch, beam search, ...) still receives the terminal output and applies
@@ -24,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mmretry import _patching
+from vllm_mmretry import _patching, budget
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 
@@ -63,6 +65,14 @@ def _log_final(request_id: str, endpoint: str, error: Any) -> None:
     _metrics.count_retry(endpoint, "failed_again")  # vllm-mmretry metrics hook
 
 
+def _retry_allowed(endpoint: str) -> bool:
+    """The one place a retry is granted: the API server's retry budget decides."""
+    if budget.current().try_withdraw(endpoint):
+        return True
+    _metrics.count_retry(endpoint, "budget_exhausted")  # vllm-mmretry metrics hook
+    return False
+
+
 @dataclass
 class _EndpointCall:
     """One call of a generation endpoint: how to re-render its retained request,
@@ -93,6 +103,8 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
         if error is not None and not call.delivered:
             if call.retried:  # the endpoint's one retry went to another prompt
                 _log_final(request_id, call.endpoint, error)
+                raise adapter().retryable_request_error()(error.message)
+            if not _retry_allowed(call.endpoint):  # counted and logged by the budget
                 raise adapter().retryable_request_error()(error.message)
             call.retried = True
             await gen.aclose()
@@ -157,6 +169,7 @@ def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
             return render(self, _copy(source), skip_mm_cache)
 
         call = _EndpointCall(_endpoint(raw_request, endpoint), rerender, bool(request.stream))
+        budget.current().deposit(call.endpoint)
         token = _CALL.set(call)
         try:
             return await original(self, request, raw_request)
@@ -191,6 +204,8 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
         if raw_request is None:  # not an API-server HTTP request (e.g. run_batch)
             return await original(self, request, raw_request)
         source = _copy(request)
+        where = _endpoint(raw_request, type(self).__name__)
+        budget.current().deposit(where)
         attempt = await adapter().pooling_submit(self, request, raw_request)
         taps: list[_ErrorTap] = []
 
@@ -200,17 +215,16 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
 
         adapter().wrap_pooling_results(attempt, tap)
         try:
-            response = await adapter().pooling_finish(self, attempt)
-            _metrics.count_retry(where, "recovered")  # vllm-mmretry metrics hook
-            return response
+            return await adapter().pooling_finish(self, attempt)
         except retryable:
             if not taps[0].errors:
                 raise  # not an engine result we saw: leave it alone
+            if not _retry_allowed(where):  # counted and logged by the budget
+                raise
             error = taps[0].errors[0]
         await adapter().pooling_close(attempt)
         request_id = adapter().pooling_request_id(attempt)
         skip = any(e.code == MM_CACHE_MISS for e in taps[0].errors)
-        where = _endpoint(raw_request, type(self).__name__)
         _log_retry(request_id, where, error, skip)
         attempt = await adapter().pooling_submit(self, source, raw_request, skip_mm_cache=skip,
                                               request_id=request_id)
@@ -274,6 +288,7 @@ def _wrap_responses_sse(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> list[str]:
+    budget.install(log=lambda message: _log().warning("%s", message))
     s = adapter().retry_seams()
     orig = _patching.original
     sse_module, sse_name = adapter().responses_sse_writer()

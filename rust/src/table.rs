@@ -2,26 +2,38 @@
 //! state, external id -> internal ids) and the per-step set of multimodal hashes
 //! to invalidate. No Python here, so it is unit-tested with plain `cargo test`.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// FxHash (rustc's hasher): request ids are short, trusted strings, and SipHash
-/// would be a visible part of the per-output cost.
+/// Request ids are client-chosen (a body field or `X-Request-Id`), so every map
+/// keyed by them uses std's keyed SipHash-1-3 with per-process random keys: ids
+/// cannot be built to collide without knowing the keys (no hash flooding).
+pub type IdBuild = RandomState;
+pub type IdMap<K, V> = HashMap<K, V, IdBuild>;
+/// Former name of `IdMap`, kept so code that still says `FxMap` gets the keyed
+/// hash too. Not FxHash any more.
+pub type FxMap<K, V> = IdMap<K, V>;
+
+/// FxHash (rustc's hasher), the table's hash before ids were treated as hostile.
+/// Kept only to show, in tests and benches, the flood that the keyed hash stops:
+/// `flood_ids` builds ids that all collide under it.
 #[derive(Default, Clone, Copy)]
 pub struct FxHasher(u64);
+
+const FX_K: u64 = 0xf135_7aea_2e62_a9c5;
 
 impl Hasher for FxHasher {
     #[inline]
     fn write(&mut self, bytes: &[u8]) {
-        const K: u64 = 0xf135_7aea_2e62_a9c5;
         let mut h = self.0;
         let mut chunks = bytes.chunks_exact(8);
         for c in &mut chunks {
             let v = u64::from_le_bytes(c.try_into().unwrap());
-            h = (h.rotate_left(5) ^ v).wrapping_mul(K);
+            h = (h.rotate_left(5) ^ v).wrapping_mul(FX_K);
         }
         for &b in chunks.remainder() {
-            h = (h.rotate_left(5) ^ b as u64).wrapping_mul(K);
+            h = (h.rotate_left(5) ^ b as u64).wrapping_mul(FX_K);
         }
         self.0 = h;
     }
@@ -36,7 +48,27 @@ impl Hasher for FxHasher {
 }
 
 pub type FxBuild = BuildHasherDefault<FxHasher>;
-pub type FxMap<K, V> = HashMap<K, V, FxBuild>;
+
+/// `n` distinct 16-byte ASCII ids whose FxHash is the same 64-bit value: for a
+/// first half `a`, the second half `b = rotl(a * K, 5) ^ c` makes the state after
+/// both words `c * K` whatever `a` is. Halves are scanned from a counter and kept
+/// when `b` is ASCII (about 1 in 256), so the ids are valid request-id strings.
+pub fn flood_ids(n: usize) -> Vec<String> {
+    const C: u64 = 0x2d2d_2d2d_2d2d_2d2d; // "--------"
+    let mut out = Vec::with_capacity(n);
+    let mut counter: u64 = 0;
+    while out.len() < n {
+        let first = format!("{counter:08x}");
+        counter += 1;
+        let a = u64::from_le_bytes(first.as_bytes().try_into().unwrap());
+        let b = a.wrapping_mul(FX_K).rotate_left(5) ^ C;
+        let second = b.to_le_bytes();
+        if second.iter().all(|x| x.is_ascii()) {
+            out.push(first + std::str::from_utf8(&second).unwrap());
+        }
+    }
+    out
+}
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum TableError {
@@ -59,15 +91,15 @@ struct Entry<T> {
 /// Internal id -> state, in slots so the hot loop indexes a Vec; plus the
 /// external -> [internal...] map (insertion ordered, as vLLM keeps it).
 pub struct Table<T> {
-    by_id: FxMap<String, usize>,
+    by_id: IdMap<String, usize>,
     slots: Vec<Option<Entry<T>>>,
     free: Vec<usize>,
-    external: FxMap<String, Vec<String>>,
+    external: IdMap<String, Vec<String>>,
 }
 
 impl<T> Default for Table<T> {
     fn default() -> Self {
-        Self { by_id: FxMap::default(), slots: Vec::new(), free: Vec::new(), external: FxMap::default() }
+        Self { by_id: IdMap::default(), slots: Vec::new(), free: Vec::new(), external: IdMap::default() }
     }
 }
 
@@ -178,10 +210,11 @@ impl<T> Table<T> {
 
 /// The multimodal hashes missing in P1 during one step, in first-seen order,
 /// each once: every one is invalidated in P0's sender cache exactly once.
+/// (Content hashes of client-sent media: keyed as well.)
 #[derive(Default)]
 pub struct MissSet {
     order: Vec<String>,
-    seen: HashSet<String, FxBuild>,
+    seen: HashSet<String, IdBuild>,
 }
 
 impl MissSet {
@@ -235,9 +268,16 @@ mod tests {
         assert_eq!(t.remove("b"), Some(2));
         assert!(t.external_ids("X").is_none());
         assert_eq!(t.remove("b"), None);
+        let slot_b = 1 - slot_a; // "a" and "b" took the first two slots
         let s = t.insert("d", "Z", 4).unwrap();
-        assert!(s == slot_a || t.slot_of("d").is_some());
-        assert_eq!(t.len(), 2);
+        // A freed slot is reused (the last freed first), the slot vector does not grow.
+        assert_eq!(s, slot_b);
+        assert_eq!(t.slots.len(), 3);
+        assert_eq!(t.slot_of("d"), Some(s));
+        assert_eq!(t.by_id("d"), Some(&4));
+        assert_eq!(t.insert("e", "Z", 5).unwrap(), slot_a);
+        assert_eq!(t.insert("f", "Z", 6).unwrap(), 3);
+        assert_eq!(t.len(), 4);
     }
 
     #[test]
@@ -279,10 +319,46 @@ mod tests {
     }
 
     #[test]
-    fn fx_hasher_distinguishes_ids() {
+    fn flood_ids_collide_under_fxhash_by_construction() {
         use std::hash::BuildHasher;
-        let b = FxBuild::default();
-        assert_ne!(b.hash_one("0_req"), b.hash_one("1_req"));
-        assert_eq!(b.hash_one("req-12345678"), b.hash_one("req-12345678"));
+        let ids = flood_ids(2000);
+        let distinct: HashSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len());
+        let fx = FxBuild::default();
+        let h0 = fx.hash_one(&ids[0]);
+        assert!(ids.iter().all(|id| fx.hash_one(id) == h0), "the construction is wrong");
+        assert_ne!(fx.hash_one("0_req"), h0);
+    }
+
+    #[test]
+    fn flood_ids_do_not_collide_under_the_keyed_hash() {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let ids = flood_ids(2000);
+        // SipHash-1-3 with fixed keys (deterministic) and with the table's own random
+        // keys: every id gets its own 64-bit hash, and the low bits hashbrown uses to
+        // pick a bucket spread over (nearly) all of a 4096-bucket table's buckets.
+        let fixed = BuildHasherDefault::<DefaultHasher>::default();
+        let random = IdBuild::default();
+        for hashes in [
+            ids.iter().map(|id| fixed.hash_one(id)).collect::<Vec<u64>>(),
+            ids.iter().map(|id| random.hash_one(id)).collect(),
+        ] {
+            let distinct: HashSet<u64> = hashes.iter().copied().collect();
+            assert_eq!(distinct.len(), ids.len());
+            let buckets: HashSet<u64> = hashes.iter().map(|h| h & 4095).collect();
+            assert!(buckets.len() > 1400, "{} buckets", buckets.len());
+        }
+    }
+
+    #[test]
+    fn table_of_flood_ids_works() {
+        let ids = flood_ids(500);
+        let mut t: Table<usize> = Table::default();
+        for (i, id) in ids.iter().enumerate() {
+            t.insert(id, id, i).unwrap();
+        }
+        assert!(ids.iter().enumerate().all(|(i, id)| t.by_id(id) == Some(&i)));
+        assert!(ids.iter().all(|id| t.remove(id).is_some()));
+        assert!(t.is_empty());
     }
 }
