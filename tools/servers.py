@@ -6,6 +6,7 @@ Used by the test fixtures and the demo. A server is always stopped by its PID
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import signal
@@ -25,6 +26,19 @@ TINY_SERVE_ARGS = [
     "--max-num-batched-tokens", "512", "--enforce-eager",
     "--limit-mm-per-prompt", '{"image": 1}', "--kv-cache-memory-bytes", "64M",
 ]
+
+
+@functools.cache
+def plugin_patches_installed_vllm() -> bool:
+    """What the installed plugin reports for the installed vLLM: `vllm_mmretry.register()`
+    (the entry point), run in a fresh interpreter, patches something only on a vLLM it
+    supports."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_MMRETRY", "VLLM_MMRETRY_FAULTS")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import vllm_mmretry; print(len(vllm_mmretry.register()))"],
+        capture_output=True, text=True, timeout=600, env=env, check=True)
+    return int(out.stdout.strip().splitlines()[-1]) > 0
 
 
 def free_port() -> int:
@@ -59,6 +73,15 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def healthy(server: Server) -> bool:
+    """Whether the server answers /health with 200 right now."""
+    try:
+        with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def _wait_healthy(server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -66,12 +89,8 @@ def _wait_healthy(server: Server, timeout: float) -> None:
             raise RuntimeError(
                 f"vllm serve exited with {server.proc.returncode}; log tail:\n"
                 + server.log()[-4000:])
-        try:
-            with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if healthy(server):
+            return
         time.sleep(0.5)
     raise TimeoutError(f"/health not ready in {timeout}s; log tail:\n" + server.log()[-4000:])
 

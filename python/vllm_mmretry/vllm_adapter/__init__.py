@@ -118,3 +118,10 @@ def vllm_cli_main() -> Callable[[], None]:
     from vllm.entrypoints.cli.main import main
 
     return main
+
+
+def vllm_platform_qualname() -> str:
+    """The platform class vLLM's own detection picks (asks the `vllm` version)."""
+    from vllm.platforms import resolve_current_platform_cls_qualname
+
+    return resolve_current_platform_cls_qualname()

@@ -1,0 +1,28 @@
+"""Fixtures for the vLLM 0.33 HTTP tests: the headless 0.33 front end (through our
+launcher, the plugin loaded by vLLM's entry point) with vLLM's mock engine behind it
+(tools/mock_serve.py; `make mock-engine` builds the engine with our fault mode)."""
+
+from __future__ import annotations
+
+import pytest
+
+from e033_helpers import installed_vllm_version, tiny_model
+
+TARGET = "0.33.0"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    version = installed_vllm_version()
+    if version == TARGET:
+        return
+    skip = pytest.mark.skip(reason=f"tests/e2e_033 run against vLLM {TARGET} (.venv-033, "
+                                   f"`make test-033`); this environment has vLLM {version}")
+    for item in items:
+        if "e2e_033" in item.nodeid.split("/"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    return str(tiny_model.ensure_tiny_model())
+
