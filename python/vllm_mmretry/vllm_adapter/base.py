@@ -38,6 +38,28 @@ class EcoFields:
 
 
 @dataclass(frozen=True)
+class OutputFields:
+    """vLLM's attribute names of the output fields the native path fills per
+    output (the same fields `RO_FILLED` / `CO_FILLED` name for the self-check)."""
+
+    # RequestOutput
+    outputs: str
+    finished: str
+    kv_transfer_params: str
+    ec_transfer_params: str
+    num_cached_tokens: str
+    num_cache_creation_tokens: str
+    error: str
+    # CompletionOutput
+    text: str
+    token_ids: str
+    finish_reason: str
+    stop_reason: str
+    spec_decode_metrics: str
+    weight_versions: str
+
+
+@dataclass(frozen=True)
 class CoreHelpers:
     """vLLM-version Python code the core calls for rare per-request paths."""
 
@@ -65,6 +87,7 @@ class CoreSpec:
     finish_abort: int
     finish_error: int
     eco_fields: EcoFields
+    output_fields: OutputFields
     helpers: CoreHelpers
     lora_states: Any
     # Self-check results: False turns the part off (getattr reads / vLLM's outputs).

@@ -46,6 +46,7 @@ from vllm_mmretry.vllm_adapter.base import (
     CoreSpec,
     EcoFields,
     FastSpec,
+    OutputFields,
     NativeDetokSpec,
     SelfCheck,
     VllmAdapter,
@@ -76,6 +77,14 @@ ECO_FIELDS = EcoFields(
     mm_cache_miss_hashes="mm_cache_miss_hashes", new_sampling_mask="new_sampling_mask",
     spec_decode_metrics="spec_decode_metrics",
     prompt_token_id_logprobs="prompt_token_id_logprobs",
+)
+OUTPUT_FIELDS = OutputFields(
+    outputs="outputs", finished="finished", kv_transfer_params="kv_transfer_params",
+    ec_transfer_params="ec_transfer_params", num_cached_tokens="num_cached_tokens",
+    num_cache_creation_tokens="num_cache_creation_tokens", error="error",
+    text="text", token_ids="token_ids", finish_reason="finish_reason",
+    stop_reason="stop_reason", spec_decode_metrics="spec_decode_metrics",
+    weight_versions="weight_versions",
 )
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2, "error": 3, "repetition": 4}
 # RequestOutput fields set from the request at add time (the rest per output).
@@ -535,6 +544,7 @@ class Adapter(VllmAdapter):
             finish_abort=int(FinishReason.ABORT),
             finish_error=int(FinishReason.ERROR),
             eco_fields=ECO_FIELDS,
+            output_fields=OUTPUT_FIELDS,
             helpers=CoreHelpers(
                 fallback_step=_fallback_step, abort_output=_abort_output,
                 error_output=_error_output, finished_stats=_finished_stats_fn(tracing_enabled),

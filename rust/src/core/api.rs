@@ -1,0 +1,427 @@
+//! The Python-facing API of `OutputCore` (`vllm_mmretry._core.OutputCore`); every
+//! entry point runs under `api()`, so a panic is a RuntimeError, never a PanicException.
+
+use super::*;
+
+#[pymethods]
+impl OutputCore {
+    /// `spec`: a `vllm_adapter.base.CoreSpec` built by the adapter of the running vLLM.
+    #[new]
+    fn new(py: Python<'_>, spec: CoreSpec<'_>) -> PyResult<Self> {
+        api("new", || {
+            let finish = FinishCodes { stop: spec.finish_stop, abort: spec.finish_abort, error: spec.finish_error };
+            let n_codes = spec.finish_reasons.len() as i64;
+            if [finish.stop, finish.abort, finish.error].iter().any(|c| !(0..n_codes).contains(c)) {
+                return Err(PyValueError::new_err("CoreSpec: finish codes must index finish_reasons"));
+            }
+            let mut finish_strs = Vec::new();
+            for v in &spec.finish_reasons {
+                finish_strs.push(v.str()?.unbind());
+            }
+            let h = spec.helpers;
+            Ok(Self {
+                table: Table::default(),
+                parents: FxMap::default(),
+                eco: EcoReader::new(py, &spec.engine_core_output, &spec.eco_fields, spec.eco_offsets)?,
+                cls: Classes {
+                    request_output: spec.request_output.unbind(),
+                    completion_output: spec.completion_output.unbind(),
+                    collector: spec.collector.unbind(),
+                    weight_span: spec.weight_span.unbind(),
+                    event: spec.event.unbind(),
+                    finish_strs,
+                    finish_objs: spec.finish_reasons.into_iter().map(Bound::unbind).collect(),
+                    finish,
+                    fields: OutFields::new(py, &spec.output_fields),
+                },
+                helpers: Helpers {
+                    fallback_step: callable("fallback_step", h.fallback_step)?,
+                    abort_output: callable("abort_output", h.abort_output)?,
+                    error_output: callable("error_output", h.error_output)?,
+                    finished_stats: callable("finished_stats", h.finished_stats)?,
+                    adopt_native: callable("adopt_native", h.adopt_native)?,
+                },
+                lora_states: spec.lora_states.unbind(),
+                mm_cache_source: None,
+                misses: MissSet::default(),
+                fallbacks: BTreeMap::new(),
+                fast_steps: 0,
+                fallback_steps: 0,
+                invalidations: 0,
+                vocab: None,
+                native_requests: 0,
+                python_detok: BTreeMap::new(),
+                ids_buf: Vec::new(),
+            })
+        })
+    }
+
+    /// True when EngineCoreOutput fields are read by slot offset.
+    #[getter]
+    fn fast_field_reads(&self) -> PyResult<bool> {
+        api("fast_field_reads", || Ok(self.eco.fast()))
+    }
+
+    /// The native vocabulary fast requests detokenize with (None: vLLM's Python
+    /// detokenizer). Applies to requests added afterwards.
+    #[setter]
+    fn set_native_vocab(&mut self, vocab: Option<Bound<'_, PyVocab>>) -> PyResult<()> {
+        api("set_native_vocab", || {
+            self.vocab = vocab.map(|v| v.get().inner.clone());
+            Ok(())
+        })
+    }
+    #[getter]
+    fn get_has_native_vocab(&self) -> PyResult<bool> {
+        api("get_has_native_vocab", || Ok(self.vocab.is_some()))
+    }
+
+    /// Whether a tracked request detokenizes natively.
+    fn is_native(&self, request_id: &str) -> PyResult<bool> {
+        api("is_native", || {
+            let r = self.table.by_id(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            Ok(matches!(&r.mode, Mode::Fast(f) if matches!(f.detok, Detok::Native(_))))
+        })
+    }
+
+    /// P0's sender cache (has `invalidate`) or an object whose
+    /// `mm_processor_cache` attribute holds it (the renderer); None to disable.
+    #[setter]
+    fn set_mm_cache_source(&mut self, src: Option<Py<PyAny>>) -> PyResult<()> {
+        api("set_mm_cache_source", || {
+            self.mm_cache_source = src;
+            Ok(())
+        })
+    }
+    #[getter]
+    fn get_mm_cache_source(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        api("get_mm_cache_source", || Ok(self.mm_cache_source.as_ref().map(|s| s.clone_ref(py))))
+    }
+
+    /// Track a new request. `fast` is a `vllm_adapter.base.FastSpec`
+    /// (None: run vLLM's per-request step, `fallback_reason` says why).
+    #[pyo3(signature = (request_id, external_req_id, state, parent, queue, fast, fallback_reason, streaming, is_pooling))]
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &mut self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyString>,
+        external_req_id: &str,
+        state: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+        queue: Option<&Bound<'_, PyAny>>,
+        fast: Option<FastSpec<'_>>,
+        fallback_reason: Option<&str>,
+        streaming: bool,
+        is_pooling: bool,
+    ) -> PyResult<()> {
+        api("add", || {
+            let id = request_id.to_str()?;
+            if self.table.contains(id) {
+                return Err(PyValueError::new_err(format!("request {id:?} is already tracked by the output processor")));
+            }
+            let queue = match queue {
+                None => None,
+                Some(q) => {
+                    let exact = q.get_type().is(self.cls.collector.bind(py));
+                    let dict = if exact { q.getattr("__dict__")?.cast_into::<PyDict>().ok() } else { None };
+                    let ready = match &dict {
+                        Some(_) => {
+                            let r = q.getattr("ready")?;
+                            if r.get_type().is(self.cls.event.bind(py)) {
+                                r.getattr("__dict__")?.cast_into::<PyDict>().ok().map(|d| (r.unbind(), d.unbind()))
+                            } else {
+                                None
+                            }
+                        }
+                        None => None,
+                    };
+                    Some(Queue {
+                        obj: q.clone().unbind(),
+                        exact,
+                        aggregate: if exact { q.getattr("aggregate")?.extract()? } else { false },
+                        dict: dict.map(|d| d.unbind()),
+                        ready,
+                    })
+                }
+            };
+            let mode = match fast {
+                None => {
+                    *self.fallbacks.entry(fallback_reason.unwrap_or("unspecified").to_owned()).or_default() += 1;
+                    Mode::Fallback
+                }
+                Some(d) => {
+                    let kind = match d.output_kind {
+                        0 => OutKind::Cumulative,
+                        1 => OutKind::Delta,
+                        2 => OutKind::FinalOnly,
+                        k => return Err(PyValueError::new_err(format!("unknown output_kind {k}"))),
+                    };
+                    let stream_interval = d.stream_interval.max(1) as usize;
+                    let has_native = d.native.is_some();
+                    let detok = match (d.native, &self.vocab) {
+                        (Some(n), Some(vocab)) => match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
+                            Ok(nd) => {
+                                self.native_requests += 1;
+                                Detok::Native(Box::new(nd))
+                            }
+                            Err(reason) => {
+                                *self.python_detok.entry(reason.to_owned()).or_default() += 1;
+                                Detok::Python(d.detokenizer.unbind())
+                            }
+                        },
+                        _ => {
+                            let reason = match d.detok_reason {
+                                Some(r) => r,
+                                None if has_native => "no_native_vocab".to_owned(),
+                                None => "unspecified".to_owned(),
+                            };
+                            *self.python_detok.entry(reason).or_default() += 1;
+                            Detok::Python(d.detokenizer.unbind())
+                        }
+                    };
+                    Mode::Fast(Box::new(Fast {
+                        detok,
+                        kind,
+                        stream_interval,
+                        sent_offset: 0,
+                        n_out: d.num_output_tokens,
+                        ro_template: d.ro_template.unbind(),
+                        co_template: d.co_template.unbind(),
+                        spec_decode_metrics: None,
+                        weight_starts: Vec::new(),
+                    }))
+                }
+            };
+            let remote: Bound<'_, PyAny> = state.getattr("remote_prefill_cached_tokens")?;
+            let req = Req {
+                id: request_id.clone().unbind(),
+                state: state.clone().unbind(),
+                parent: parent.map(|p| p.clone().unbind()),
+                siblings: match parent {
+                    Some(p) => Some(p.getattr("child_requests")?.unbind()),
+                    None => None,
+                },
+                queue,
+                lora_name: state.getattr("lora_name")?.unbind(),
+                stats: state.getattr("stats")?.unbind(),
+                prompt_len: state.getattr("prompt_len")?.extract()?,
+                is_prefilling: state.getattr("is_prefilling")?.extract()?,
+                num_cached_tokens: state.getattr("num_cached_tokens")?.unbind(),
+                num_cache_creation_tokens: state.getattr("num_cache_creation_tokens")?.unbind(),
+                remote_prefill_cached_tokens: (!remote.is_none()).then(|| remote.unbind()),
+                streaming,
+                is_pooling,
+                mode,
+            };
+            if let Some(p) = parent {
+                let pid: String = p.getattr("request_id")?.extract()?;
+                self.parents.insert(pid, p.clone().unbind());
+            }
+            self.table.insert(id, external_req_id, req).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            Ok(())
+        })
+    }
+
+    /// One step: returns (request_outputs, reqs_to_abort).
+    #[pyo3(signature = (engine_core_outputs, engine_core_timestamp=None, iteration_stats=None, weight_version=None))]
+    fn process<'py>(
+        &mut self,
+        py: Python<'py>,
+        engine_core_outputs: &Bound<'py, PyAny>,
+        engine_core_timestamp: Option<Bound<'py, PyAny>>,
+        iteration_stats: Option<Bound<'py, PyAny>>,
+        weight_version: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        // A bug here (a panic) becomes a Python exception, not an unwind through
+        // the interpreter.
+        api("process_outputs", move || -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+            let ecos = match engine_core_outputs.cast::<PyList>() {
+                Ok(l) => l.clone(),
+                Err(_) => PyList::new(py, engine_core_outputs.try_iter().map_err(|_| PyTypeError::new_err("engine_core_outputs must be a list of EngineCoreOutput"))?.collect::<PyResult<Vec<_>>>()?)?,
+            };
+            let none = py.None().into_bound(py);
+            let ts = engine_core_timestamp.unwrap_or_else(|| none.clone());
+            let its = iteration_stats.unwrap_or_else(|| none.clone());
+            let wv = weight_version.unwrap_or_else(|| none.clone());
+            let outs = PyList::empty(py);
+            let aborts = PyList::empty(py);
+
+            // Pre-pass: every missing hash of this step is invalidated in P0's sender
+            // cache, once, before any output of the step is published.
+            let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
+            for eco in ecos.iter() {
+                let m = self.eco.get(&self.eco.view(&eco), F::MmCacheMissHashes)?;
+                if !m.is_none() && m.is_truthy()? {
+                    for h in m.try_iter()? {
+                        let h = h?;
+                        let h = h.cast::<PyString>().map_err(|_| PyTypeError::new_err("mm_cache_miss_hashes must hold str"))?;
+                        self.misses.add(h.to_str()?);
+                    }
+                    with_misses.push(eco);
+                }
+            }
+            self.invalidate_misses(py)?;
+
+            let cx = Step { ts: &ts, iteration_stats: &its, weight_version: &wv, outs: &outs, aborts: &aborts };
+            let result = (|| {
+                for eco in ecos.iter() {
+                    self.step_one(py, &eco, &cx)?;
+                }
+                Ok::<(), PyErr>(())
+            })();
+            // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
+            // after process_outputs and would invalidate them a second time. Clearing
+            // the field (instead of patching those loops) keeps that code stock.
+            for eco in with_misses {
+                eco.setattr(self.eco.name(py, F::MmCacheMissHashes), &none)?;
+            }
+            result?;
+            Ok((outs, aborts))
+        })
+    }
+
+    /// vLLM's `abort_requests`: returns the internal ids to abort in the engine.
+    fn abort<'py>(&mut self, py: Python<'py>, request_ids: &Bound<'py, PyAny>, internal: bool) -> PyResult<Vec<Py<PyString>>> {
+        api("abort", || {
+            if request_ids.is_instance_of::<PyString>() {
+                return Err(PyTypeError::new_err("request_ids must be an iterable of str, not a str"));
+            }
+            let ids: Vec<String> = request_ids
+                .try_iter()
+                .map_err(|_| PyTypeError::new_err("request_ids must be an iterable of str"))?
+                .map(|x| x?.extract::<String>().map_err(|_| PyTypeError::new_err("request ids must be str")))
+                .collect::<PyResult<_>>()?;
+            let mut result = Vec::new();
+            self.abort_inner(py, ids, internal, &mut result)?;
+            Ok(result)
+        })
+    }
+
+    /// Drop a finished request (used by streaming-input bookkeeping in Python).
+    fn finish_request(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        api("finish_request", || {
+            let req = self.table.remove(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            if let Some(parent) = &req.parent {
+                let p = parent.bind(py);
+                if p.getattr("child_requests")?.len()? == 0 {
+                    let pid: String = p.getattr("request_id")?.extract()?;
+                    self.parents.remove(&pid);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn has(&self, request_id: &str) -> PyResult<bool> {
+        api("has", || Ok(self.table.contains(request_id)))
+    }
+    fn __len__(&self) -> PyResult<usize> {
+        api("__len__", || Ok(self.table.len()))
+    }
+    fn is_streaming(&self, request_id: &str) -> PyResult<bool> {
+        api("is_streaming", || {
+            self.table.by_id(request_id).map(|r| r.streaming).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))
+        })
+    }
+
+    /// The stock RequestState of a request, its fields brought up to date.
+    fn state(&self, py: Python<'_>, request_id: &str) -> PyResult<Py<PyAny>> {
+        api("state", || {
+            let req = self.table.by_id(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            Self::sync_state(py, req)?;
+            Ok(req.state.clone_ref(py))
+        })
+    }
+    /// Read back a state a Python helper changed (streaming updates).
+    fn reload_state(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        api("reload_state", || {
+            let slot = self.table.slot_of(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            Self::load_state(py, self.table.get_mut(slot).unwrap())
+        })
+    }
+    /// {internal id: RequestState}, synced.
+    fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        api("states", || {
+            let d = PyDict::new(py);
+            for id in self.table.ids() {
+                let req = self.table.by_id(id).unwrap();
+                Self::sync_state(py, req)?;
+                d.set_item(req.id.bind(py), req.state.bind(py))?;
+            }
+            Ok(d)
+        })
+    }
+    fn parents<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        api("parents", || {
+            let d = PyDict::new(py);
+            for (k, v) in &self.parents {
+                d.set_item(k, v.bind(py))?;
+            }
+            Ok(d)
+        })
+    }
+    fn external_ids(&self, external_req_id: &str) -> PyResult<Vec<String>> {
+        api("external_ids", || Ok(self.table.external_ids(external_req_id).cloned().unwrap_or_default()))
+    }
+    /// Collectors of all live requests (for propagate_error); None for LLMEngine mode.
+    fn queues<'py>(&self, py: Python<'py>) -> PyResult<Vec<Option<Py<PyAny>>>> {
+        api("queues", || Ok(self.table.values().map(|r| r.queue.as_ref().map(|q| q.obj.clone_ref(py))).collect()))
+    }
+    fn num_queued_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        api("num_queued_tokens", || {
+            let mut total = 0;
+            for r in self.table.values() {
+                match r.mode {
+                    Mode::Fast(_) => {
+                        if r.is_prefilling {
+                            total += r.prompt_len;
+                        }
+                    }
+                    Mode::Fallback => {
+                        let st = r.state.bind(py);
+                        if st.getattr("is_prefilling")?.extract::<bool>()? {
+                            total += st.getattr("prompt_len")?.extract::<usize>()?;
+                        }
+                    }
+                }
+            }
+            Ok(total)
+        })
+    }
+    /// {"fast_steps", "fallback_steps", "invalidations", "fallbacks": {reason: n}}.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        api("counters", || {
+            let d = PyDict::new(py);
+            d.set_item("fast_steps", self.fast_steps)?;
+            d.set_item("fallback_steps", self.fallback_steps)?;
+            d.set_item("invalidations", self.invalidations)?;
+            let fb = PyDict::new(py);
+            for (k, v) in &self.fallbacks {
+                fb.set_item(k, v)?;
+            }
+            d.set_item("fallbacks", fb)?;
+            d.set_item("native_detok", self.native_requests)?;
+            let pd = PyDict::new(py);
+            for (k, v) in &self.python_detok {
+                pd.set_item(k, v)?;
+            }
+            d.set_item("python_detok", pd)?;
+            Ok(d)
+        })
+    }
+    fn is_fast(&self, request_id: &str) -> PyResult<bool> {
+        api("is_fast", || {
+            self.table.by_id(request_id).map(|r| matches!(r.mode, Mode::Fast(_))).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))
+        })
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        // Requests hold collectors and states that may point back at us.
+        if let Some(s) = &self.mm_cache_source {
+            visit.call(s)?;
+        }
+        visit.call(&self.lora_states)?;
+        Ok(())
+    }
+}

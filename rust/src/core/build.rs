@@ -1,0 +1,201 @@
+//! Output objects of the fast path (built from vLLM-constructor templates) and
+//! their hand-over to the request's collector or the returned list.
+
+use super::*;
+
+/// A new instance of a plain Python class with `dict` as its `__dict__`,
+/// without running `__init__` (the fields are exactly those `__init__` sets).
+pub(super) fn new_with_dict<'py>(cls: &Bound<'py, PyType>, dict: Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
+    let py = cls.py();
+    // SAFETY: GenericNew allocates an instance of a heap type (tp_alloc), and
+    // GenericSetDict installs the dict; both return NULL/-1 with an exception set.
+    unsafe {
+        let args = PyTuple::empty(py);
+        let obj = ffi::PyType_GenericNew(cls.as_ptr() as *mut ffi::PyTypeObject, args.as_ptr(), std::ptr::null_mut());
+        let obj = Bound::from_owned_ptr_or_err(py, obj)?;
+        if ffi::PyObject_GenericSetDict(obj.as_ptr(), dict.as_ptr(), std::ptr::null_mut()) != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        // Stock outputs keep their attributes in the instance (no dict object for
+        // the cycle collector). Ours have a dict: untracking it keeps the collector's
+        // work per output as stock's (it is a large share of the loop's cost at big
+        // batches). Objects it refers to stay tracked and are never freed early; only
+        // a reference cycle running through this dict would go uncollected, and
+        // CPython re-tracks the dict as soon as a tracked value is stored in it.
+        if ffi::PyObject_GC_IsTracked(dict.as_ptr()) != 0 {
+            ffi::PyObject_GC_UnTrack(dict.as_ptr().cast());
+        }
+        Ok(obj)
+    }
+}
+
+pub(super) fn copy_dict<'py>(d: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyDict>> {
+    d.copy()
+}
+
+impl Classes {
+    pub(super) fn weight_spans<'py>(&self, py: Python<'py>, f: &Fast) -> PyResult<Bound<'py, PyAny>> {
+        if f.weight_starts.is_empty() && f.n_out > 0 {
+            return Ok(py.None().into_bound(py));
+        }
+        let spans = PyList::empty(py);
+        let cls = self.weight_span.bind(py);
+        for (i, (v, start)) in f.weight_starts.iter().enumerate() {
+            let end = f.weight_starts.get(i + 1).map(|x| x.1).unwrap_or(f.n_out);
+            spans.append(cls.call1((v.bind(py), *start, end))?)?;
+        }
+        Ok(spans.into_any())
+    }
+
+    /// vLLM's `RequestState.make_request_output` for a fast request.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn make_fast_output<'py>(
+        &self,
+        py: Python<'py>,
+        req: &mut Req,
+        new_ids: Bound<'py, PyAny>,
+        fr: Option<i64>,
+        stop_reason: Bound<'py, PyAny>,
+        kv: Bound<'py, PyAny>,
+        ec: Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Mode::Fast(f) = &mut req.mode else { unreachable!("fast output for a fallback request") };
+        let mut finished = fr.is_some();
+        if !finished && f.kind == OutKind::FinalOnly {
+            return Ok(None);
+        }
+        let delta = f.kind == OutKind::Delta;
+        let mut token_ids = new_ids;
+        if f.stream_interval > 1 && !(finished || f.sent_offset == 0 || f.n_out - f.sent_offset >= f.stream_interval) {
+            return Ok(None);
+        }
+        let (text, all_ids) = match &mut f.detok {
+            Detok::Python(detok) => {
+                let detok = detok.bind(py);
+                let all = if f.stream_interval > 1 || !delta { Some(detok.getattr(s!(py, "output_token_ids"))?) } else { None };
+                (detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?, all)
+            }
+            Detok::Native(nd) => {
+                let st = &mut nd.st;
+                let text = guarded("get_next_output_text", || PyString::new(py, st.output_text_ref(finished, delta)).into_any())?;
+                (text, nd.ids.as_ref().map(|l| l.bind(py).clone().into_any()))
+            }
+        };
+        if let Some(all) = all_ids {
+            if !delta {
+                token_ids = all;
+            } else if f.stream_interval > 1 {
+                token_ids = all.get_item(PySlice::new(py, f.sent_offset as isize, isize::MAX, 1))?;
+                f.sent_offset = f.n_out;
+            }
+        }
+        let co = copy_dict(f.co_template.bind(py))?;
+        co.set_item(self.fields.text.bind(py), text)?;
+        co.set_item(self.fields.token_ids.bind(py), token_ids)?;
+        if let Some(code) = fr {
+            let fs = self.finish_strs.get(code as usize).ok_or_else(|| PyValueError::new_err(format!("unknown finish_reason {code}")))?;
+            co.set_item(self.fields.finish_reason.bind(py), fs.bind(py))?;
+            co.set_item(self.fields.stop_reason.bind(py), stop_reason)?;
+            if let Some(m) = &f.spec_decode_metrics {
+                co.set_item(self.fields.spec_decode_metrics.bind(py), m.bind(py))?;
+            }
+            co.set_item(self.fields.weight_versions.bind(py), self.weight_spans(py, f)?)?;
+        }
+        let co = new_with_dict(self.completion_output.bind(py), co)?;
+        let outputs = match &req.parent {
+            None => PyList::new(py, [co])?.into_any(),
+            Some(parent) => {
+                if let (None, Some(sib)) = (fr, &req.siblings) {
+                    // ParentRequest.get_outputs for an unfinished streamed child (FINAL_ONLY
+                    // returned above): this output alone; the parent is finished when no
+                    // child is left.
+                    finished = sib.bind(py).len()? == 0;
+                    PyList::new(py, [co])?.into_any()
+                } else {
+                    let r = parent.bind(py).call_method1(s!(py, "get_outputs"), (req.id.bind(py), co))?;
+                    let (outs, fin): (Bound<'py, PyAny>, bool) = r.extract()?;
+                    if !outs.is_truthy()? {
+                        return Ok(None);
+                    }
+                    finished = fin;
+                    outs
+                }
+            }
+        };
+        // The template holds finished=False, no transfer params and the current
+        // cached-token counts (written when prefill ends).
+        let ro = copy_dict(f.ro_template.bind(py))?;
+        ro.set_item(self.fields.outputs.bind(py), outputs)?;
+        if finished {
+            ro.set_item(self.fields.finished.bind(py), true)?;
+        }
+        if !kv.is_none() {
+            ro.set_item(self.fields.kv_transfer_params.bind(py), kv)?;
+        }
+        if !ec.is_none() {
+            ro.set_item(self.fields.ec_transfer_params.bind(py), ec)?;
+        }
+        Ok(Some(new_with_dict(self.request_output.bind(py), ro)?))
+    }
+}
+
+impl OutputCore {
+    pub(super) fn put<'py>(&self, py: Python<'py>, q: &Queue, out: &Bound<'py, PyAny>) -> PyResult<()> {
+        let obj = q.obj.bind(py);
+        let Some(d) = q.dict.as_ref().filter(|_| q.exact) else {
+            obj.call_method1(s!(py, "put"), (out,))?;
+            return Ok(());
+        };
+        // RequestOutputCollector.put, inlined for the RequestOutput case.
+        let d = d.bind(py);
+        let cur = match d.get_item(s!(py, "output"))? {
+            Some(c) => c,
+            None => obj.getattr(s!(py, "output"))?,
+        };
+        if cur.is_none() {
+            d.set_item(s!(py, "output"), out)?;
+            Self::set_ready(py, q, d)?;
+        } else if cur.is_instance(self.cls.request_output.bind(py))? {
+            cur.call_method1(s!(py, "add"), (out, q.aggregate))?;
+            // The merged output keeps a terminal error even where RequestOutput.add
+            // is not patched (install() patches it for other callers).
+            let err = out.getattr(self.cls.fields.error.bind(py))?;
+            if !err.is_none() {
+                cur.setattr(self.cls.fields.error.bind(py), err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `collector.ready.set()`: with no waiter, `Event.set` only sets `_value`.
+    pub(super) fn set_ready(py: Python<'_>, q: &Queue, d: &Bound<'_, PyDict>) -> PyResult<()> {
+        let ready = match d.get_item(s!(py, "ready"))? {
+            Some(r) => r,
+            None => q.obj.bind(py).getattr(s!(py, "ready"))?,
+        };
+        if let Some((ev, evd)) = &q.ready {
+            if ready.is(ev) {
+                let evd = evd.bind(py);
+                if let (Some(v), Some(w)) = (evd.get_item(s!(py, "_value"))?, evd.get_item(s!(py, "_waiters"))?) {
+                    if v.is_truthy()? {
+                        return Ok(());
+                    }
+                    if w.len()? == 0 {
+                        evd.set_item(s!(py, "_value"), true)?;
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        ready.call_method0(s!(py, "set"))?;
+        Ok(())
+    }
+
+    pub(super) fn publish<'py>(&self, py: Python<'py>, req: &Req, out: Bound<'py, PyAny>, list: &Bound<'py, PyList>) -> PyResult<()> {
+        match &req.queue {
+            Some(q) => self.put(py, q, &out),
+            None => list.append(out),
+        }
+    }
+
+}

@@ -1,0 +1,319 @@
+//! `OutputCore`: the request table and the per-step loop behind
+//! `vllm_mmretry.OutputProcessor`.
+//!
+//! Each request has a stock vLLM `RequestState` (built in Python at add time, so
+//! detokenizer, logprobs processor and stats objects are vLLM's own). Requests on
+//! the fast path are driven from Rust: fields of `EngineCoreOutput` are read by
+//! offset, output objects are built from pre-filled `__dict__` templates without
+//! running Python `__init__`, and outputs go straight into the collector. Requests
+//! needing features whose semantics live in vLLM's Python objects (logprobs,
+//! pooling, streaming input, routed experts, ...) run vLLM's own per-request step
+//! in Python (`fallback`), counted by reason.
+//!
+//! A fast request detokenizes natively (`Detok::Native`, rust/src/detok.rs) when
+//! the processor has a native vocabulary and the request's parameters are
+//! supported; otherwise with vLLM's Python detokenizer (`Detok::Python`). The
+//! native path never touches the Python `RequestState` per step; when a native
+//! request must leave the fast path, its ids are replayed into the stock
+//! detokenizer first (`adopt_native`), so vLLM's Python code continues exactly.
+//!
+//! What the core knows about vLLM comes from the adapter as one typed `CoreSpec`
+//! (classes, helpers, FinishReason codes, EngineCoreOutput field names) and one
+//! `FastSpec` per request. Files: this one (types and the specs), `step.rs` (the
+//! loop), `build.rs` (output objects and their hand-over), `api.rs` (Python API).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+
+use crate::detok::py::PyVocab;
+use crate::detok::{supports, DetokError, DetokParams, DetokState, Vocab};
+use crate::eco::{Eco, EcoFieldNames, EcoReader, F};
+use crate::table::{FxMap, MissSet, Table};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum OutKind {
+    Cumulative,
+    Delta,
+    FinalOnly,
+}
+
+/// Where the incremental detokenization of a fast request happens.
+enum Detok {
+    /// vLLM's Python `IncrementalDetokenizer` (or a subclass).
+    Python(Py<PyAny>),
+    /// The native detokenizer + stop strings.
+    Native(Box<Native>),
+}
+
+struct Native {
+    st: DetokState,
+    /// The output ids as the engine's Python ints, when outputs hand out more
+    /// than this step's list: CUMULATIVE gives this same growing list each step
+    /// (as stock gives the detokenizer's), stream_interval > 1 slices it.
+    ids: Option<Py<PyList>>,
+}
+
+fn detok_err(e: DetokError) -> PyErr {
+    match e {
+        DetokError::Load(m) => PyValueError::new_err(m),
+        DetokError::Decode(m) => pyo3::exceptions::PyRuntimeError::new_err(m),
+    }
+}
+
+/// Runs Rust code so that a bug there (a panic) becomes a Python exception for
+/// this call instead of unwinding through the interpreter.
+fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        pyo3::exceptions::PyRuntimeError::new_err(format!("vllm_mmretry core failed in {what}: {msg}"))
+    })
+}
+
+/// A Python-facing entry point: a panic in it becomes a RuntimeError for this call.
+fn api<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    guarded(what, f)?
+}
+
+/// Token ids of one step as u32; an id that is no u32 decodes to nothing, as
+/// vLLM's `_protected_step` logs and skips it (it still counts as a token).
+fn read_ids(ids: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
+    out.clear();
+    if let Ok(l) = ids.cast::<PyList>() {
+        for x in l.iter() {
+            out.push(x.extract::<u32>().unwrap_or(u32::MAX));
+        }
+    } else {
+        for x in ids.try_iter()? {
+            out.push(x?.extract::<u32>().unwrap_or(u32::MAX));
+        }
+    }
+    Ok(())
+}
+
+struct Fast {
+    detok: Detok,
+    kind: OutKind,
+    stream_interval: usize,
+    sent_offset: usize,
+    /// Output tokens held by the detokenizer (kept here to avoid a Python call).
+    n_out: usize,
+    ro_template: Py<PyDict>,
+    co_template: Py<PyDict>,
+    spec_decode_metrics: Option<Py<PyAny>>,
+    weight_starts: Vec<(Py<PyAny>, usize)>,
+}
+
+enum Mode {
+    Fast(Box<Fast>),
+    Fallback,
+}
+
+struct Queue {
+    obj: Py<PyAny>,
+    /// `obj` is exactly vLLM's RequestOutputCollector: its `put` is inlined
+    /// here; otherwise we call `obj.put`.
+    exact: bool,
+    aggregate: bool,
+    /// An exact collector's `__dict__` (`output` and `ready` are plain instance
+    /// attributes), and its `ready` event with the event's `__dict__` when that
+    /// is exactly `asyncio.Event`: reading and setting them directly skips the
+    /// attribute protocol and, when nobody waits, `Event.set`'s Python frame.
+    dict: Option<Py<PyDict>>,
+    ready: Option<(Py<PyAny>, Py<PyDict>)>,
+}
+
+/// What every request's part of one `process_outputs` step shares.
+#[derive(Clone, Copy)]
+struct Step<'a, 'py> {
+    /// `engine_core_timestamp` (None: no stats).
+    ts: &'a Bound<'py, PyAny>,
+    /// vLLM's `IterationStats` (None when stats are off).
+    iteration_stats: &'a Bound<'py, PyAny>,
+    weight_version: &'a Bound<'py, PyAny>,
+    /// Outputs returned to the caller (LLMEngine mode: no collectors).
+    outs: &'a Bound<'py, PyList>,
+    /// Internal ids the engine core must abort.
+    aborts: &'a Bound<'py, PyList>,
+}
+
+struct Req {
+    id: Py<PyString>,
+    state: Py<PyAny>,
+    parent: Option<Py<PyAny>>,
+    /// `parent.child_requests` (a set vLLM never rebinds).
+    siblings: Option<Py<PyAny>>,
+    queue: Option<Queue>,
+    lora_name: Py<PyAny>,
+    stats: Py<PyAny>,
+    prompt_len: usize,
+    is_prefilling: bool,
+    num_cached_tokens: Py<PyAny>,
+    num_cache_creation_tokens: Py<PyAny>,
+    remote_prefill_cached_tokens: Option<Py<PyAny>>,
+    streaming: bool,
+    is_pooling: bool,
+    mode: Mode,
+}
+
+/// Python classes and helper functions the core calls.
+struct Classes {
+    request_output: Py<PyType>,
+    completion_output: Py<PyType>,
+    collector: Py<PyType>,
+    weight_span: Py<PyType>,
+    event: Py<PyType>,
+    finish_strs: Vec<Py<PyString>>,
+    finish_objs: Vec<Py<PyAny>>,
+    finish: FinishCodes,
+    fields: OutFields,
+}
+
+macro_rules! output_fields {
+    ($($field:ident),* $(,)?) => {
+        /// `vllm_adapter.base.OutputFields`: vLLM's names of the output fields the
+        /// fast path fills.
+        #[derive(FromPyObject)]
+        struct OutputFieldNames { $($field: String),* }
+
+        /// The same names, interned once.
+        struct OutFields { $($field: Py<PyString>),* }
+
+        impl OutFields {
+            fn new(py: Python<'_>, n: &OutputFieldNames) -> Self {
+                Self { $($field: PyString::intern(py, &n.$field).unbind()),* }
+            }
+        }
+    };
+}
+
+output_fields!(
+    outputs, finished, kv_transfer_params, ec_transfer_params, num_cached_tokens,
+    num_cache_creation_tokens, error, text, token_ids, finish_reason, stop_reason,
+    spec_decode_metrics, weight_versions,
+);
+
+/// The `FinishReason` codes the loop acts on, from the adapter.
+#[derive(Clone, Copy)]
+struct FinishCodes {
+    stop: i64,
+    abort: i64,
+    error: i64,
+}
+
+/// `vllm_adapter.base.CoreSpec`: what the core needs from the running vLLM,
+/// read by attribute name.
+#[derive(FromPyObject)]
+struct CoreSpec<'py> {
+    engine_core_output: Bound<'py, PyType>,
+    request_output: Bound<'py, PyType>,
+    completion_output: Bound<'py, PyType>,
+    collector: Bound<'py, PyType>,
+    weight_span: Bound<'py, PyType>,
+    event: Bound<'py, PyType>,
+    finish_reasons: Vec<Bound<'py, PyAny>>,
+    finish_stop: i64,
+    finish_abort: i64,
+    finish_error: i64,
+    eco_fields: EcoFieldNames,
+    output_fields: OutputFieldNames,
+    helpers: HelperSpec<'py>,
+    lora_states: Bound<'py, PyAny>,
+    eco_offsets: bool,
+}
+
+/// `vllm_adapter.base.CoreHelpers`.
+#[derive(FromPyObject)]
+struct HelperSpec<'py> {
+    fallback_step: Bound<'py, PyAny>,
+    abort_output: Bound<'py, PyAny>,
+    error_output: Bound<'py, PyAny>,
+    finished_stats: Bound<'py, PyAny>,
+    adopt_native: Bound<'py, PyAny>,
+}
+
+/// `vllm_adapter.base.FastSpec`: how one request runs on the fast path.
+#[derive(FromPyObject)]
+struct FastSpec<'py> {
+    detokenizer: Bound<'py, PyAny>,
+    native: Option<NativeSpec<'py>>,
+    detok_reason: Option<String>,
+    output_kind: i64,
+    stream_interval: i64,
+    num_output_tokens: usize,
+    ro_template: Bound<'py, PyDict>,
+    co_template: Bound<'py, PyDict>,
+}
+
+/// `vllm_adapter.base.NativeDetokSpec`.
+#[derive(FromPyObject)]
+struct NativeSpec<'py> {
+    prompt_token_ids: Bound<'py, PyAny>,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+    stop: Option<Vec<String>>,
+    include_stop_str_in_output: bool,
+    min_tokens: usize,
+}
+
+fn callable(name: &str, h: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    if !h.is_callable() {
+        return Err(PyTypeError::new_err(format!("CoreSpec.helpers.{name} must be callable")));
+    }
+    Ok(h.unbind())
+}
+
+struct Helpers {
+    fallback_step: Py<PyAny>,
+    abort_output: Py<PyAny>,
+    error_output: Py<PyAny>,
+    finished_stats: Py<PyAny>,
+    /// `adopt_native(state, output_token_ids, last_output_text_offset)`.
+    adopt_native: Py<PyAny>,
+}
+
+#[pyclass(module = "vllm_mmretry._core")]
+pub struct OutputCore {
+    table: Table<Req>,
+    parents: FxMap<String, Py<PyAny>>,
+    eco: EcoReader,
+    cls: Classes,
+    helpers: Helpers,
+    lora_states: Py<PyAny>,
+    mm_cache_source: Option<Py<PyAny>>,
+    misses: MissSet,
+    fallbacks: BTreeMap<String, u64>,
+    fast_steps: u64,
+    fallback_steps: u64,
+    invalidations: u64,
+    /// The tokenizer, loaded natively once per processor (None: Python detokenizer).
+    vocab: Option<Arc<Vocab>>,
+    native_requests: u64,
+    /// Fast requests detokenized in Python, by reason.
+    python_detok: BTreeMap<String, u64>,
+    ids_buf: Vec<u32>,
+}
+
+macro_rules! s {
+    ($py:expr, $name:literal) => {
+        pyo3::intern!($py, $name)
+    };
+}
+
+
+fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    if fr.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(fr.extract::<i64>().map_err(|_| {
+        PyTypeError::new_err(format!("finish_reason must be a FinishReason, got {}", fr.get_type().name().map(|n| n.to_string()).unwrap_or_default()))
+    })?))
+}
+
+mod api;
+mod build;
+mod step;

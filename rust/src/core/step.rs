@@ -1,0 +1,450 @@
+//! The per-step loop: one `EngineCoreOutput` at a time, on the fast path, the
+//! Python fallback or the multimodal-miss path; request state kept in sync with
+//! vLLM's `RequestState`; finishing and aborting requests.
+
+use super::*;
+
+impl OutputCore {
+    /// Write the Rust-owned mutable fields back into the stock RequestState.
+    pub(super) fn sync_state(py: Python<'_>, req: &Req) -> PyResult<()> {
+        let st = req.state.bind(py);
+        st.setattr(s!(py, "is_prefilling"), req.is_prefilling)?;
+        st.setattr(s!(py, "num_cached_tokens"), req.num_cached_tokens.bind(py))?;
+        st.setattr(s!(py, "num_cache_creation_tokens"), req.num_cache_creation_tokens.bind(py))?;
+        if let Mode::Fast(f) = &req.mode {
+            st.setattr(s!(py, "sent_tokens_offset"), f.sent_offset)?;
+            st.setattr(s!(py, "spec_decode_metrics"), f.spec_decode_metrics.as_ref().map(|m| m.bind(py).clone()))?;
+            let starts = PyList::empty(py);
+            for (v, s) in &f.weight_starts {
+                starts.append((v.bind(py), *s))?;
+            }
+            st.setattr(s!(py, "weight_version_starts"), starts)?;
+        }
+        Ok(())
+    }
+
+    /// Read back the fields a Python helper may have changed.
+    pub(super) fn load_state(py: Python<'_>, req: &mut Req) -> PyResult<()> {
+        let st = req.state.bind(py);
+        req.is_prefilling = st.getattr(s!(py, "is_prefilling"))?.extract()?;
+        req.num_cached_tokens = st.getattr(s!(py, "num_cached_tokens"))?.unbind();
+        req.num_cache_creation_tokens = st.getattr(s!(py, "num_cache_creation_tokens"))?.unbind();
+        req.prompt_len = st.getattr(s!(py, "prompt_len"))?.extract()?;
+        Ok(())
+    }
+
+    /// A native detokenizer for a new request, or the reason it cannot have one.
+    pub(super) fn native_detok(
+        &self,
+        py: Python<'_>,
+        vocab: Arc<Vocab>,
+        n: NativeSpec<'_>,
+        kind: OutKind,
+        stream_interval: usize,
+    ) -> PyResult<Result<Native, &'static str>> {
+        let prompt = n.prompt_token_ids;
+        let mut prompt_ids = Vec::with_capacity(prompt.len().unwrap_or(0));
+        for x in prompt.try_iter()? {
+            match x?.extract::<u32>() {
+                Ok(id) => prompt_ids.push(id),
+                Err(_) => return Ok(Err("token_id_out_of_range")),
+            }
+        }
+        let params = DetokParams {
+            skip_special_tokens: n.skip_special_tokens,
+            spaces_between_special_tokens: n.spaces_between_special_tokens,
+            stop: n.stop.unwrap_or_default(),
+            include_stop_str_in_output: n.include_stop_str_in_output,
+            min_tokens: n.min_tokens,
+        };
+        if let Err(r) = supports(&params) {
+            return Ok(Err(r.label()));
+        }
+        let ids = (kind != OutKind::Delta || stream_interval > 1).then(|| PyList::empty(py).unbind());
+        let st = guarded("new", || DetokState::new(vocab, &prompt_ids, params))?;
+        Ok(Ok(Native { st, ids }))
+    }
+
+    pub(super) fn demote(&mut self, py: Python<'_>, slot: usize, reason: &str) -> PyResult<()> {
+        let req = self.table.get_mut(slot).unwrap();
+        Self::sync_state(py, req)?;
+        self.helpers.adopt(py, req)?;
+        req.mode = Mode::Fallback;
+        *self.fallbacks.entry(reason.to_owned()).or_default() += 1;
+        Ok(())
+    }
+
+}
+
+impl Helpers {
+    /// Bring the stock detokenizer of a native request up to date (replaying its
+    /// ids), so vLLM's Python code can take over. The request stays as it is.
+    pub(super) fn adopt(&self, py: Python<'_>, req: &Req) -> PyResult<()> {
+        if let Mode::Fast(f) = &req.mode {
+            if let Detok::Native(nd) = &f.detok {
+                let ids = PyList::new(py, nd.st.output_token_ids())?;
+                self.adopt_native.bind(py).call1((req.state.bind(py), ids, nd.st.last_output_offset()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl OutputCore {
+    /// `_finish_request` + stop-string abort + finished stats.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn finish<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: &str,
+        fr_obj: &Bound<'py, PyAny>,
+        engine_finished: bool,
+        iteration_stats: &Bound<'py, PyAny>,
+        eco: &Bound<'py, PyAny>,
+        aborts: &Bound<'py, PyList>,
+    ) -> PyResult<()> {
+        let Some(req) = self.table.remove(id) else { return Ok(()) };
+        if let Some(parent) = &req.parent {
+            let p = parent.bind(py);
+            if p.getattr(s!(py, "child_requests"))?.len()? == 0 {
+                let pid: String = p.getattr(s!(py, "request_id"))?.extract()?;
+                self.parents.remove(&pid);
+            }
+        }
+        if !engine_finished {
+            aborts.append(req.id.bind(py))?;
+        }
+        if !iteration_stats.is_none() {
+            Self::sync_state(py, &req)?;
+            self.helpers.finished_stats.bind(py).call1((
+                self.lora_states.bind(py),
+                iteration_stats,
+                req.state.bind(py),
+                fr_obj,
+                eco,
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// Abort every live sibling of `parent` (n>1 miss): removed here, listed for
+    /// the engine core, no abort output (the parent's answer is the error).
+    pub(super) fn abort_siblings<'py>(&mut self, py: Python<'py>, parent: &Bound<'py, PyAny>, aborts: &Bound<'py, PyList>) -> PyResult<()> {
+        let children = parent.getattr(s!(py, "child_requests"))?;
+        let ids: Vec<String> = PyList::new(py, children.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.extract()?;
+        for cid in ids {
+            let resolved = self.table.resolve_abort(std::slice::from_ref(&cid), true);
+            for rid in resolved {
+                if let Some(req) = self.table.pop_aborted(&rid) {
+                    self.lora_states.bind(py).call_method1(s!(py, "request_finished"), (req.id.bind(py), req.lora_name.bind(py)))?;
+                    aborts.append(req.id.bind(py))?;
+                }
+            }
+        }
+        children.call_method0(s!(py, "clear"))?;
+        let pid: String = parent.getattr(s!(py, "request_id"))?.extract()?;
+        self.parents.remove(&pid);
+        Ok(())
+    }
+
+    pub(super) fn invalidate_misses(&mut self, py: Python<'_>) -> PyResult<()> {
+        if self.misses.is_empty() {
+            return Ok(());
+        }
+        let cache = match &self.mm_cache_source {
+            None => None,
+            Some(src) => {
+                let src = src.bind(py);
+                // Either the cache itself or an object holding it (the renderer),
+                // read now because the renderer may rebuild its cache.
+                if src.hasattr(s!(py, "invalidate"))? {
+                    Some(src.clone())
+                } else {
+                    let c = src.getattr(s!(py, "mm_processor_cache"))?;
+                    (!c.is_none()).then_some(c)
+                }
+            }
+        };
+        if let Some(cache) = cache {
+            for h in self.misses.hashes() {
+                cache.call_method1(s!(py, "invalidate"), (h.as_str(),))?;
+                self.invalidations += 1;
+            }
+        }
+        self.misses.clear();
+        Ok(())
+    }
+
+    pub(super) fn step_one<'py>(
+        &mut self,
+        py: Python<'py>,
+        eco: &Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+    ) -> PyResult<()> {
+        let ev = self.eco.view(eco);
+        let rid_obj = self.eco.get(&ev, F::RequestId)?;
+        let rid = rid_obj.cast::<PyString>().map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
+        let rid_s = rid.to_str()?;
+        let Some(slot) = self.table.slot_of(rid_s) else {
+            return Ok(()); // output for an already-aborted request
+        };
+
+        // Per-output features that only vLLM's Python objects implement.
+        if matches!(self.table.get(slot).unwrap().mode, Mode::Fast(_)) {
+            let reason = if !self.eco.get(&ev, F::RoutedExperts)?.is_none() {
+                Some("routed_experts")
+            } else if !self.eco.get(&ev, F::NewSamplingMask)?.is_none() {
+                Some("sampling_mask")
+            } else if !self.eco.get(&ev, F::NewLogprobs)?.is_none()
+                || !self.eco.get(&ev, F::NewPromptLogprobsTensors)?.is_none()
+                || !self.eco.get(&ev, F::PromptTokenIdLogprobs)?.is_none()
+            {
+                Some("unrequested_logprobs")
+            } else if !self.eco.get(&ev, F::PoolingOutput)?.is_none() {
+                Some("pooling_output")
+            } else {
+                None
+            };
+            if let Some(r) = reason {
+                self.demote(py, slot, r)?;
+            }
+        }
+
+        let fr_obj = self.eco.get(&ev, F::FinishReason)?;
+        let fr = finish_code(&fr_obj)?;
+        let miss = fr == Some(self.cls.finish.error) && {
+            let m = self.eco.get(&ev, F::MmCacheMissHashes)?;
+            !m.is_none() && m.is_truthy()?
+        };
+        let req = self.table.get(slot).unwrap();
+        if miss && !req.is_pooling {
+            return self.step_miss(py, slot, eco, cx, rid_s, &fr_obj);
+        }
+
+        match req.mode {
+            Mode::Fallback => self.step_fallback(py, slot, eco, cx, rid_s),
+            Mode::Fast(_) => self.step_fast(py, slot, &ev, fr_obj, cx, rid_s),
+        }
+    }
+
+    pub(super) fn step_fallback<'py>(
+        &mut self,
+        py: Python<'py>,
+        slot: usize,
+        eco: &Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+        rid: &str,
+    ) -> PyResult<()> {
+        let Step { ts, iteration_stats, weight_version, outs, aborts } = *cx;
+        self.fallback_steps += 1;
+        let req = self.table.get(slot).unwrap();
+        let r = self.helpers.fallback_step.bind(py).call1((
+            req.state.bind(py),
+            eco,
+            ts,
+            iteration_stats,
+            weight_version,
+            self.lora_states.bind(py),
+        ))?;
+        let (out, fr_obj, release): (Bound<'py, PyAny>, Bound<'py, PyAny>, bool) = r.extract()?;
+        {
+            let req = self.table.get_mut(slot).unwrap();
+            Self::load_state(py, req)?;
+        }
+        let req = self.table.get(slot).unwrap();
+        if !out.is_none() {
+            self.publish(py, req, out, outs)?;
+        }
+        if !fr_obj.is_none() && release {
+            let engine_finished = !self.eco.get(&self.eco.view(eco), F::FinishReason)?.is_none();
+            self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, eco, aborts)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn step_miss<'py>(
+        &mut self,
+        py: Python<'py>,
+        slot: usize,
+        eco: &Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+        rid: &str,
+        fr_obj: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        let Step { ts, iteration_stats, weight_version, outs, aborts } = *cx;
+        let req = self.table.get(slot).unwrap();
+        Self::sync_state(py, req)?;
+        self.helpers.adopt(py, req)?;
+        // The error output is built by vLLM-aware Python code (rare path); it
+        // also runs the iteration-stats update for this output.
+        let out = self.helpers.error_output.bind(py).call1((req.state.bind(py), eco, ts, iteration_stats, weight_version, self.lora_states.bind(py)))?;
+        let req = self.table.get(slot).unwrap();
+        let parent = req.parent.as_ref().map(|p| p.clone_ref(py));
+        if let Some(p) = &parent {
+            // Take this child out of the parent before aborting its siblings.
+            p.bind(py).getattr(s!(py, "child_requests"))?.call_method1(s!(py, "discard"), (rid,))?;
+        }
+        if let Some(p) = &parent {
+            self.abort_siblings(py, p.bind(py), aborts)?;
+        }
+        let req = self.table.get(slot).unwrap();
+        self.publish(py, req, out, outs)?;
+        self.finish(py, rid, fr_obj, true, iteration_stats, eco, aborts)?;
+        Ok(())
+    }
+
+    pub(super) fn step_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        slot: usize,
+        ev: &Eco<'_, 'py>,
+        mut fr_obj: Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+        rid: &str,
+    ) -> PyResult<()> {
+        let Step { ts, iteration_stats, weight_version, outs, aborts } = *cx;
+        let mut fr = finish_code(&fr_obj)?;
+        self.fast_steps += 1;
+        let er = &self.eco;
+        let new_ids = er.get(ev, F::NewTokenIds)?;
+        let mut stop_reason = er.get(ev, F::StopReason)?;
+        let kv = er.get(ev, F::KvTransferParams)?;
+        let ec = er.get(ev, F::EcTransferParams)?;
+        let spec = er.get(ev, F::SpecDecodeMetrics)?;
+        let engine_finished = fr.is_some();
+        let prefill_stats = {
+            let req = self.table.get(slot).unwrap();
+            if req.is_prefilling { Some(er.get(ev, F::PrefillStats)?) } else { None }
+        };
+        let req = self.table.get_mut(slot).unwrap();
+
+        // 1) Iteration stats, with vLLM's own update function.
+        if !iteration_stats.is_none() {
+            iteration_stats.call_method1(
+                s!(py, "update_from_output"),
+                (ev.obj(), ts, req.is_prefilling, req.stats.bind(py), self.lora_states.bind(py), req.lora_name.bind(py)),
+            )?;
+        }
+        if let Some(ps) = prefill_stats {
+            if !ps.is_none() {
+                req.num_cached_tokens = ps.getattr(s!(py, "num_cached_tokens"))?.unbind();
+                req.num_cache_creation_tokens = ps.getattr(s!(py, "num_cache_creation_tokens"))?.unbind();
+            }
+            if let Some(r) = &req.remote_prefill_cached_tokens {
+                req.num_cached_tokens = r.clone_ref(py);
+            }
+            req.is_prefilling = false;
+            if let Mode::Fast(f) = &req.mode {
+                let t = f.ro_template.bind(py);
+                t.set_item(self.cls.fields.num_cached_tokens.bind(py), req.num_cached_tokens.bind(py))?;
+                t.set_item(self.cls.fields.num_cache_creation_tokens.bind(py), req.num_cache_creation_tokens.bind(py))?;
+            }
+        }
+        let Mode::Fast(f) = &mut req.mode else { unreachable!() };
+        if !spec.is_none() {
+            f.spec_decode_metrics = Some(spec.unbind());
+        }
+        let n_new = new_ids.len()?;
+        if n_new > 0 && !weight_version.is_none() {
+            let changed = match f.weight_starts.last() {
+                None => true,
+                Some((v, _)) => !v.bind(py).eq(weight_version)?,
+            };
+            if changed {
+                f.weight_starts.push((weight_version.clone().unbind(), f.n_out));
+            }
+        }
+
+        // 2) Detokenize and check stop strings.
+        let stop_terminated = fr == Some(self.cls.finish.stop);
+        let (stop, n_now): (Option<Bound<'py, PyAny>>, usize) = match &mut f.detok {
+            Detok::Python(detok) => {
+                let detok = detok.bind(py);
+                let stop = detok.call_method1(s!(py, "update"), (&new_ids, stop_terminated))?;
+                if stop.is_truthy()? {
+                    let n_now: usize = detok.call_method0(s!(py, "num_output_tokens"))?.extract()?;
+                    (Some(stop), n_now)
+                } else {
+                    (None, f.n_out + n_new)
+                }
+            }
+            Detok::Native(nd) => {
+                read_ids(&new_ids, &mut self.ids_buf)?;
+                let (st, ids) = (&mut nd.st, &self.ids_buf);
+                let stop = guarded("update", || st.update(ids, stop_terminated))?.map_err(detok_err)?;
+                let n_now = nd.st.num_output_tokens();
+                if let Some(l) = &nd.ids {
+                    let l = l.bind(py);
+                    for x in new_ids.try_iter()? {
+                        l.append(x?)?;
+                    }
+                    if l.len() > n_now {
+                        l.del_slice(n_now, l.len())?;
+                    }
+                }
+                (stop.map(|s| PyString::new(py, &s).into_any()), n_now)
+            }
+        };
+        if let Some(stop) = stop {
+            fr = Some(self.cls.finish.stop);
+            fr_obj = self.cls.finish_objs[self.cls.finish.stop as usize].bind(py).clone();
+            stop_reason = stop;
+            let kept = n_now.saturating_sub(f.n_out);
+            if n_new > kept {
+                // Drop tokens past the stop string (vLLM's _trim_surplus_tokens).
+                new_ids.del_item(PySlice::new(py, kept as isize, n_new as isize, 1))?;
+            }
+        }
+        f.n_out = n_now;
+
+        // 3) Build and hand over the output.
+        let out = {
+            let req = self.table.get_mut(slot).unwrap();
+            let none = py.None().into_bound(py);
+            self.cls.make_fast_output(py, req, new_ids, fr, if fr.is_some() { stop_reason } else { none }, kv, ec)?
+        };
+        let req = self.table.get(slot).unwrap();
+        if let Some(out) = out {
+            self.publish(py, req, out, outs)?;
+        }
+        if fr.is_some() {
+            self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, ev.obj(), aborts)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn abort_inner<'py>(&mut self, py: Python<'py>, ids: Vec<String>, internal: bool, result: &mut Vec<Py<PyString>>) -> PyResult<()> {
+        let resolved = self.table.resolve_abort(&ids, internal);
+        for id in resolved {
+            if let Some(mut req) = self.table.pop_aborted(&id) {
+                self.lora_states.bind(py).call_method1(s!(py, "request_finished"), (req.id.bind(py), req.lora_name.bind(py)))?;
+                result.push(req.id.clone_ref(py));
+                if req.queue.is_some() {
+                    let out = match &req.mode {
+                        Mode::Fallback => {
+                            let o = self.helpers.abort_output.bind(py).call1((req.state.bind(py),))?;
+                            (!o.is_none()).then_some(o)
+                        }
+                        Mode::Fast(_) => {
+                            let none = py.None().into_bound(py);
+                            let empty = PyList::empty(py).into_any();
+                            self.cls.make_fast_output(py, &mut req, empty, Some(self.cls.finish.abort), none.clone(), none.clone(), none)?
+                        }
+                    };
+                    if let Some(out) = out {
+                        let q = req.queue.as_ref().unwrap();
+                        self.put(py, q, &out)?;
+                    }
+                }
+            } else if let Some(parent) = self.parents.get(&id).map(|p| p.clone_ref(py)) {
+                let children = parent.bind(py).getattr(s!(py, "child_requests"))?;
+                let kids: Vec<String> = children.try_iter()?.map(|c| c?.extract::<String>()).collect::<PyResult<_>>()?;
+                if !kids.is_empty() {
+                    self.abort_inner(py, kids, true, result)?;
+                }
+                self.parents.remove(&id);
+            }
+        }
+        Ok(())
+    }
+}
