@@ -7,7 +7,7 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   stock/on   `vllm-mmretry serve` with VLLM_MMRETRY=0, statistics on (vllm serve's default)
   plugin/on  the same with the plugin
   stock/off, plugin/off   the same with --disable-log-stats
-  rust       `vllm-rs serve` (vLLM 0.33's Rust front end, text only)
+  rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
 at each concurrency. Repeats alternate the configurations (the order rotates every
@@ -38,7 +38,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -54,7 +53,8 @@ MOCK_DIR = ROOT / ".cache" / "mock-engine"  # where `make mock-engine` puts both
 PROMPT_LEN, OUTPUT_LEN = 32, 256
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
-ALL_CONFIGS = ("stock/on", "plugin/on", "rust", "stock/off", "plugin/off")
+ALL_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off", "rust/off")
+DEFAULT_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off")
 
 
 @dataclass(frozen=True)
@@ -138,19 +138,18 @@ def launch_frontend(name: str, model: str, tools: Tools, log_dir: pathlib.Path) 
     port, rpc = free_port(), free_port()
     log_path = log_dir / f"{name.replace('/', '-')}-{port}.log"
     env = server_env()
-    if name == "rust":
-        cmd = [str(tools.vllm_rs), "serve", model, "--host", "127.0.0.1",
-               "--port", str(port), "--data-parallel-size", "1",
-               "--data-parallel-size-local", "0", "--handshake-port", str(rpc)]
+    kind, stats = name.split("/")
+    if kind == "rust":
+        cmd = [str(tools.vllm_rs), "serve", model]
     else:
-        kind, stats = name.split("/")
         env["VLLM_MMRETRY"] = "0" if kind == "stock" else "1"
-        cmd = [sys.executable, "-m", "vllm_mmretry.cli", "serve", model,
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-               "--data-parallel-size", "1", "--data-parallel-size-local", "0",
-               "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
-        if stats == "off":
-            cmd.append("--disable-log-stats")
+        cmd = [sys.executable, "-m", "vllm_mmretry.cli", "serve", model]
+    # Headless: no local engine; the mock engine joins the handshake on `rpc`.
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+            "--data-parallel-size", "1", "--data-parallel-size-local", "0",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    if stats == "off":
+        cmd.append("--disable-log-stats")
     return Frontend(name, port, log_path, popen(cmd, log_path, env)), rpc
 
 
@@ -236,25 +235,30 @@ def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency:
 
 
 def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str, float]:
-    """The columns of one run, from vllm-bench's result JSON."""
+    """The columns of one run, from vllm-bench's result JSON.
+
+    Output tokens are the engine's, not the client's count: the client counts what it can
+    see in the streamed text (random token ids include special tokens, which are not
+    shown), while the mock engine emits exactly max_tokens per request and a request
+    completes only after its last one, so tokens = 256 x completed requests."""
     completed = res["completed"]
     if completed != num_prompts or res.get("failed", 0):
         raise RuntimeError(f"{completed} of {num_prompts} requests completed: {res.get('errors')}")
-    out_tokens = res["total_output_tokens"]
-    if out_tokens != num_prompts * OUTPUT_LEN:
-        raise RuntimeError(f"{out_tokens} output tokens, expected {num_prompts * OUTPUT_LEN}")
     ss = res.get("steady_state") or {}
+    req_s = ss.get("request_throughput") or res["request_throughput"]
     return {
-        "req_s": ss.get("request_throughput") or res["request_throughput"],
-        "tok_s": ss.get("output_throughput") or res["output_throughput"],
+        "req_s": req_s, "tok_s": req_s * OUTPUT_LEN,
         "ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
         "itl_p50": res["median_itl_ms"], "itl_p99": res["p99_itl_ms"],
-        "cpu_per_1k": cpu / (out_tokens / 1000),
+        "tpot_p50": ss.get("median_tpot_ms", res.get("median_tpot_ms", 0.0)),
+        "cpu_per_1k": cpu / (num_prompts * OUTPUT_LEN / 1000),
         "steady": 1.0 if ss else 0.0,
     }
 
 
 def num_prompts_for(concurrency: int, factor: float) -> int:
+    """Closed loop: the first `concurrency` requests start together and, all getting one
+    token per engine step, finish together; the rest keep the concurrency up meanwhile."""
     return max(int(concurrency * factor), concurrency + 8)
 
 
@@ -281,16 +285,20 @@ def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
             for conc in args.concurrency:
                 n = num_prompts_for(conc, args.prompts_factor)
                 for name in rotated(names, rep):
+                    if name.endswith("/off") and endpoint not in args.off_endpoints:
+                        continue
                     m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep)
                     m["repeat"] = rep
                     runs.setdefault((name, endpoint, conc), []).append(m)
                     print(f"  repeat {rep} {endpoint:11s} c={conc:<4d} {name:10s} "
-                          f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s", flush=True)
+                          f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s  "
+                          f"[{time.monotonic() - args.t0:.0f}s]", flush=True)
     return runs
 
 
 def baseline_of(name: str) -> str:
-    return "stock/off" if name.endswith("/off") else "stock/on"
+    """Stock with the same statistics setting."""
+    return "stock/" + name.split("/")[1]
 
 
 def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
@@ -298,7 +306,7 @@ def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[
     for (name, endpoint, conc), ms in runs.items():
         row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
                                "repeats": len(ms)}
-        for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "cpu_per_1k"):
+        for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50", "cpu_per_1k"):
             vals = [m[key] for m in ms]
             row[key] = round(statistics.median(vals), 4 if key == "cpu_per_1k" else 2)
             if key in ("req_s", "tok_s", "cpu_per_1k"):
@@ -338,8 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--concurrency", default="8,32,64,128")
     ap.add_argument("--endpoints", default="chat,completions")
-    ap.add_argument("--configs", default=",".join(ALL_CONFIGS))
-    ap.add_argument("--prompts-factor", type=float, default=3.0,
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--off-endpoints", default="chat",
+                    help="endpoints the statistics-off configurations run (time budget)")
+    ap.add_argument("--prompts-factor", type=float, default=1.5,
                     help="requests per run = concurrency x this (closed loop)")
     ap.add_argument("--mock-engine", type=pathlib.Path,
                     default=os.environ.get("MOCK_ENGINE", MOCK_DIR / "vllm-mock-engine"))
@@ -352,9 +362,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeat, args.concurrency, args.endpoints = 1, "8", "chat"
-        args.configs, args.prompts_factor = "stock/on,plugin/on,rust", 2.0
+        args.configs = "stock/on,plugin/on,rust/on"
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     args.endpoints = args.endpoints.split(",")
+    args.off_endpoints = args.off_endpoints.split(",")
     args.configs = args.configs.split(",")
     for e in args.endpoints:
         if e not in ENDPOINT_BACKEND:
@@ -369,6 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     t0 = time.monotonic()
     args = parse_args(argv)
+    args.t0 = t0
     for binary in (args.tools.mock_engine, args.tools.vllm_rs):
         if not os.access(binary, os.X_OK):
             sys.exit(f"{binary} missing: run `make mock-engine` first")
@@ -381,9 +393,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"bench-serve: configs {','.join(args.configs)}; endpoints {','.join(args.endpoints)}; "
           f"concurrency {args.concurrency}; repeats {args.repeat}; "
           f"{PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens; logs in {log_dir}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, \
-            serving(args.configs, args.model, args.tools, log_dir) as fes:
-        work = pathlib.Path(tmp)
+    work = log_dir / "results"  # vllm-bench's result files, one per load run
+    work.mkdir()
+    with serving(args.configs, args.model, args.tools, log_dir) as fes:
         print(f"  servers up after {time.monotonic() - t0:.0f}s", flush=True)
         warm_up(args.tools, fes, args.model, args.endpoints, work)
         if args.profile:

@@ -38,7 +38,7 @@ def quick_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], pa
 
 def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
     rows, _ = quick_rows
-    assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust"])
+    assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
     for r in rows:
         assert (r["endpoint"], r["concurrency"], r["repeats"]) == ("chat", 8, 1)
         assert r["req_s"] > 0 and r["req_s_min"] <= r["req_s"] <= r["req_s_max"]
@@ -49,7 +49,7 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
         assert r["cpu_per_1k"] > 0
     by = {r["config"]: r for r in rows}
     assert "vs_stock" not in by["stock/on"]
-    for name in ("plugin/on", "rust"):
+    for name in ("plugin/on", "rust/on"):
         assert by[name]["vs_stock"] == pytest.approx(by[name]["req_s"] / by["stock/on"]["req_s"], rel=0.02)
 
 
