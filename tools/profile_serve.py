@@ -54,6 +54,7 @@ AREAS: list[tuple[str, re.Pattern[str]]] = [
         r"entrypoints/openai|pydantic")),
     ("asyncio event loop", re.compile(r"asyncio/|uvloop")),
 ]
+ENTRY_SHARE = 0.8
 FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^:()]*)(?::\d+)?\)$")
 
 
@@ -102,6 +103,8 @@ def summarize_profile(stacks: list[tuple[list[str], int]], top: int = 15) -> dic
     def shares(counter: collections.Counter[str], n: int) -> list[list[Any]]:
         return [[name, round(100.0 * c / total, 1)] for name, c in counter.most_common(n)]
 
+    # The entry chain (runpy, the CLI, asyncio.run) is in nearly every sample: leave it out.
+    incl = collections.Counter({k: c for k, c in incl.items() if c < ENTRY_SHARE * total})
     return {"samples": total, "own": shares(own, top), "total": shares(incl, top),
             "areas": shares(areas, len(AREAS) + 1)}
 
