@@ -6,19 +6,21 @@ handshake (`--data-parallel-size-local 0`), so the front end, not a model, is th
 bottleneck. Configurations (started once, all kept up, reused by every repeat):
   stock/on   `vllm-mmretry serve` with VLLM_MMRETRY=0, statistics on (vllm serve's default)
   plugin/on  the same with the plugin
-  stock/off, plugin/off   the same with --disable-log-stats
+  stock/off, plugin/off   the same with --disable-log-stats (chat only by default, to keep
+             the whole run under 15 minutes on 2 cores; --off-endpoints)
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
-at each concurrency. Repeats alternate the configurations (the order rotates every
-repeat), so load changes on a shared machine hit all of them.
+at each concurrency with 1.5 x concurrency requests. Repeats alternate the configurations
+(the order rotates every repeat), so load changes on a shared machine hit all of them.
 
-Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s and
-output tokens/s over vllm-bench's steady-state window (whole run when it has none), TTFT
-and inter-token latency p50/p99 (whole run), API-server CPU seconds per 1,000 output
-tokens (utime+stime of the API server process from /proc over the whole load run), and
-`vs_stock`: this row's requests/s over stock's with the same statistics setting in the
-same repeat (the Rust front end is compared with stock/on), median and min-max.
+Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
+vllm-bench's steady-state window (whole run when it has none) with its min-max; output
+tokens/s = 256 x that (the engine's count: see measurements()); TTFT and inter-token
+latency p50/p99, TPOT and end-to-end latency p50 as vllm-bench reports them (whole run); API-server CPU seconds per 1,000
+output tokens (utime+stime of the API server process, all threads, from /proc over the
+whole load run); `vs_stock`: this row's requests/s over stock's with the same statistics
+setting in the same repeat, median and min-max over the repeats.
 Prints a table, then one JSON line per row, then the elapsed time.
 
 Usage: python benches/bench_serve.py [--quick] [--repeat N] [--concurrency 8,32,...]
@@ -215,7 +217,7 @@ def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str,
             "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(OUTPUT_LEN),
             "--ignore-eos", "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--seed", str(seed),
-            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name]
 
@@ -250,7 +252,7 @@ def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str,
         "req_s": req_s, "tok_s": req_s * OUTPUT_LEN,
         "ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
         "itl_p50": res["median_itl_ms"], "itl_p99": res["p99_itl_ms"],
-        "tpot_p50": ss.get("median_tpot_ms", res.get("median_tpot_ms", 0.0)),
+        "tpot_p50": res["median_tpot_ms"], "e2el_p50": res["median_e2el_ms"],
         "cpu_per_1k": cpu / (num_prompts * OUTPUT_LEN / 1000),
         "steady": 1.0 if ss else 0.0,
     }
@@ -306,12 +308,13 @@ def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[
     for (name, endpoint, conc), ms in runs.items():
         row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
                                "repeats": len(ms)}
-        for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50", "cpu_per_1k"):
+        for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
+                    "e2el_p50", "cpu_per_1k"):
             vals = [m[key] for m in ms]
-            row[key] = round(statistics.median(vals), 4 if key == "cpu_per_1k" else 2)
+            digits = 2 if key in ("req_s", "tok_s") else 4
+            row[key] = round(statistics.median(vals), digits)
             if key in ("req_s", "tok_s", "cpu_per_1k"):
-                row[key + "_min"] = round(min(vals), 4 if key == "cpu_per_1k" else 2)
-                row[key + "_max"] = round(max(vals), 4 if key == "cpu_per_1k" else 2)
+                row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
         row["steady_state_runs"] = int(sum(m["steady"] for m in ms))
         base = runs.get((baseline_of(name), endpoint, conc))
         if base and name != baseline_of(name):
@@ -326,23 +329,23 @@ def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'endpoint':11s} {'conc':>4s} {'config':10s} {'req/s':>8s} {'(min-max)':>15s} "
-            f"{'out tok/s':>9s} {'ttft p50':>8s} {'p99':>8s} {'itl p50':>7s} {'p99':>7s} "
-            f"{'cpu s/1k':>8s} {'vs stock':>8s} {'(min-max)':>11s}")
-    print(head)
+    """A Markdown table (reads in a terminal, pastes into the README)."""
+    print("| endpoint | conc | config | req/s (min-max) | out tok/s | TTFT p50 / p99 ms "
+          "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms | API CPU s / 1k tok | vs stock (min-max) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        ratio = f"{r['vs_stock']:.2f}" if "vs_stock" in r else "-"
-        rspread = f"({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})" if "vs_stock" in r else ""
-        print(f"{r['endpoint']:11s} {r['concurrency']:4d} {r['config']:10s} {r['req_s']:8.2f} "
-              f"{'(%.2f-%.2f)' % (r['req_s_min'], r['req_s_max']):>15s} {r['tok_s']:9.0f} "
-              f"{r['ttft_p50']:8.1f} {r['ttft_p99']:8.1f} {r['itl_p50']:7.2f} {r['itl_p99']:7.2f} "
-              f"{r['cpu_per_1k']:8.3f} {ratio:>8s} {rspread:>11s}")
+        ratio = (f"**{r['vs_stock']:.2f}** ({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})"
+                 if "vs_stock" in r else "-")
+        print(f"| {r['endpoint']} | {r['concurrency']} | {r['config']} "
+              f"| {r['req_s']:.2f} ({r['req_s_min']:.2f}-{r['req_s_max']:.2f}) | {r['tok_s']:.0f} "
+              f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['itl_p50']:.2f} / {r['itl_p99']:.2f} "
+              f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['cpu_per_1k']:.3f} | {ratio} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_SERVE_QUICK") == "1",
-                    help="smoke-test size: one repeat, chat, concurrency 8, stock/on plugin/on rust")
+                    help="smoke-test size: one repeat, chat, concurrency 8, stock/on plugin/on rust/on")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--concurrency", default="8,32,64,128")
     ap.add_argument("--endpoints", default="chat,completions")

@@ -1,8 +1,9 @@
 """`make bench-serve`'s harness at its smallest size, for real: stock, the plugin and
 vLLM's Rust front end, each behind vLLM's mock engine, loaded by `vllm-rs bench serve`.
 
-Checks that every row is there and sane (all requests completed with every token, the
-numbers are positive and consistent with each other); no timed assertions.
+Checks that every row is there and sane (the harness itself refuses a run in which a
+request failed; the numbers are positive and consistent with each other);
+no timed assertions.
 Needs `make mock-engine`'s binaries; without them the test is skipped, unless
 VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 (then it fails)."""
 
@@ -45,7 +46,10 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
         # every request produced its 256 tokens: token rate is 256 x request rate
         assert r["tok_s"] == pytest.approx(256 * r["req_s"], rel=0.02)
         assert 0 < r["ttft_p50"] <= r["ttft_p99"]
-        assert 0 < r["itl_p50"] <= r["itl_p99"]
+        # chunks that arrive in one read are ~0 ms apart: only the order is checked
+        assert 0 <= r["itl_p50"] <= r["itl_p99"]
+        assert r["tpot_p50"] >= 0 and r["ttft_p50"] <= r["e2el_p50"]
+        assert r["steady_state_runs"] == 1  # vllm-bench found a steady-state window
         assert r["cpu_per_1k"] > 0
     by = {r["config"]: r for r in rows}
     assert "vs_stock" not in by["stock/on"]
