@@ -43,7 +43,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,7 +74,6 @@ class Frontend:
     log_path: pathlib.Path
     proc: subprocess.Popen
     engine: subprocess.Popen | None = None
-    extra: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
