@@ -14,7 +14,7 @@ export DO_NOT_TRACK := 1
 
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
-.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py soak clean test-fast lint wheel
+.PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py bench-serve soak clean test-fast lint wheel
 .PHONY: setup-033 test-033 mock-engine
 
 setup: $(STAMP)/package
@@ -83,6 +83,16 @@ N ?= 200
 soak: setup
 	SOAK_REQUESTS=$(N) SOAK_REPORT=$(abspath .cache)/soak-report.json \
 	  $(VPY) -m pytest -q -s -p no:cacheprovider tests/e2e/test_soak.py
+
+# Served speed (issue #11): stock, the plugin and vLLM's Rust front end behind vLLM's mock
+# engine, loaded by vllm-rs bench serve. BENCH_SERVE_QUICK=1: smoke size. PROFILE=1: also
+# a py-spy profile of the API server (stock and plugin) before measuring.
+MOCK_ENGINE ?= .cache/mock-engine/vllm-mock-engine
+VLLM_RS ?= .cache/mock-engine/vllm-rs
+PROFILE ?=
+bench-serve: setup mock-engine
+	MOCK_ENGINE=$(MOCK_ENGINE) VLLM_RS=$(VLLM_RS) $(VPY) benches/bench_serve.py \
+	  $(if $(filter 1,$(PROFILE)),--profile 20)
 
 clean:
 	rm -rf target $(VENV) $(VENV033) .cache

@@ -1,0 +1,418 @@
+"""Served speed: stock vLLM's API server, the plugin, and vLLM's Rust front end, each in
+front of vLLM's own mock engine, loaded by vLLM's own Rust load generator, in one run.
+
+Every configuration is one front end plus one `vllm-mock-engine` joined to its headless
+handshake (`--data-parallel-size-local 0`), so the front end, not a model, is the
+bottleneck. Configurations (started once, all kept up, reused by every repeat):
+  stock/on   `vllm-mmretry serve` with VLLM_MMRETRY=0, statistics on (vllm serve's default)
+  plugin/on  the same with the plugin
+  stock/off, plugin/off   the same with --disable-log-stats (chat only by default, to keep
+             the whole run under 15 minutes on 2 cores; --off-endpoints)
+  rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
+Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
+prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
+at each concurrency with 1.5 x concurrency requests. Repeats alternate the configurations
+(the order rotates every repeat), so load changes on a shared machine hit all of them.
+
+Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
+vllm-bench's steady-state window (whole run when it has none) with its min-max; output
+tokens/s = 256 x that (the engine's count: see measurements()); TTFT and inter-token
+latency p50/p99, TPOT and end-to-end latency p50 as vllm-bench reports them (whole run); API-server CPU seconds per 1,000
+output tokens (utime+stime of the API server process, all threads, from /proc over the
+whole load run); `vs_stock`: this row's requests/s over stock's with the same statistics
+setting in the same repeat, median and min-max over the repeats.
+Prints a table, then one JSON line per row, then the elapsed time.
+
+Usage: python benches/bench_serve.py [--quick] [--repeat N] [--concurrency 8,32,...]
+       [--endpoints chat,completions] [--configs stock/on,plugin/on,...] [--json-out F]
+       [--profile SECONDS]   (py-spy record of the API server, stock/on and plugin/on)
+BENCH_SERVE_QUICK=1 is the same as --quick (the smoke-test size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from servers import free_port, server_env  # noqa: E402
+
+MOCK_DIR = ROOT / ".cache" / "mock-engine"  # where `make mock-engine` puts both binaries
+PROMPT_LEN, OUTPUT_LEN = 32, 256
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
+ALL_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off", "rust/off")
+DEFAULT_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """vLLM's binaries: the mock engine, and vllm-rs (Rust front end + load generator)."""
+    mock_engine: pathlib.Path
+    vllm_rs: pathlib.Path
+
+
+@dataclass
+class Frontend:
+    """One served configuration: a front end and the mock engine behind it."""
+    name: str
+    port: int
+    log_path: pathlib.Path
+    proc: subprocess.Popen
+    engine: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_pid(self) -> int:
+        """The process that answers HTTP (with one API server, the launched one)."""
+        return self.proc.pid
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def is_listening(port: int) -> bool:
+    """True when some process has a TCP socket in LISTEN state on 127.0.0.1/0.0.0.0:port
+    (read from /proc, so the front end's ZMQ socket never sees a stray connection)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def wait_for(check: Any, what: str, timeout: float, fe: Frontend) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fe.proc.poll() is not None:
+            raise RuntimeError(f"{fe.name}: front end exited with {fe.proc.returncode}; "
+                               f"log tail:\n{tail(fe.log_path)}")
+        if check():
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{fe.name}: {what} not ready in {timeout:.0f}s; log tail:\n{tail(fe.log_path)}")
+
+
+def tail(path: pathlib.Path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def popen(cmd: list[str], log_path: pathlib.Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
+def launch_frontend(name: str, model: str, tools: Tools, log_dir: pathlib.Path) -> tuple[Frontend, int]:
+    """Start the front end of one configuration (headless: it waits for an engine)."""
+    port, rpc = free_port(), free_port()
+    log_path = log_dir / f"{name.replace('/', '-')}-{port}.log"
+    env = server_env()
+    kind, stats = name.split("/")
+    if kind == "rust":
+        cmd = [str(tools.vllm_rs), "serve", model]
+    else:
+        env["VLLM_MMRETRY"] = "0" if kind == "stock" else "1"
+        cmd = [sys.executable, "-m", "vllm_mmretry.cli", "serve", model]
+    # Headless: no local engine; the mock engine joins the handshake on `rpc`.
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+            "--data-parallel-size", "1", "--data-parallel-size-local", "0",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    if stats == "off":
+        cmd.append("--disable-log-stats")
+    return Frontend(name, port, log_path, popen(cmd, log_path, env)), rpc
+
+
+def attach_engine(fe: Frontend, rpc: int, tools: Tools, timeout: float) -> None:
+    """Start the mock engine once the handshake socket listens; it gives up after 5 s
+    without one, so retry until the front end answers /health."""
+    wait_for(lambda: is_listening(rpc), f"handshake port {rpc}", timeout, fe)
+    cmd = [str(tools.mock_engine), "--handshake-address", f"tcp://127.0.0.1:{rpc}",
+           "--vocab-size", "32000", "--seed", "0"]
+    deadline = time.monotonic() + timeout
+    while True:
+        fe.engine = popen(cmd, fe.log_path.with_suffix(".engine.log"), server_env())
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: healthy(fe.base_url) or fe.engine.poll() is not None,
+                     "/health", max(1.0, deadline - time.monotonic()), fe)
+        if healthy(fe.base_url):
+            return
+        stop_proc(fe.engine)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{fe.name}: mock engine never joined; log tail:\n{tail(fe.log_path)}")
+        time.sleep(1)
+
+
+def stop_proc(proc: subprocess.Popen | None) -> None:
+    """SIGTERM the process group, then SIGKILL what is left."""
+    if proc is None:
+        return
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def serving(names: list[str], model: str, tools: Tools, log_dir: pathlib.Path,
+            timeout: float = 300.0) -> Iterator[dict[str, Frontend]]:
+    """All configurations up at once (idle ones cost almost no CPU), stopped at the end."""
+    fes: dict[str, Frontend] = {}
+    try:
+        launched = []
+        for name in names:  # start-ups overlap; each engine joins as its socket appears
+            fe, rpc = launch_frontend(name, model, tools, log_dir)
+            fes[name] = fe
+            launched.append((fe, rpc))
+        for fe, rpc in launched:
+            attach_engine(fe, rpc, tools, timeout)
+        yield fes
+    finally:
+        for fe in fes.values():
+            stop_proc(fe.proc)
+            stop_proc(fe.engine)
+
+
+def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str,
+              concurrency: int, num_prompts: int, result: pathlib.Path, seed: int) -> list[str]:
+    return [str(tools.vllm_rs), "bench", "serve",
+            "--backend", ENDPOINT_BACKEND[endpoint], "--base-url", fe.base_url,
+            "--model", model, "--tokenizer", model, "--dataset-name", "random",
+            "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--ignore-eos", "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+
+
+def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency: int,
+             num_prompts: int, work: pathlib.Path, seed: int = 0) -> dict[str, float]:
+    """One closed-loop load run against one front end; returns the row's measurements."""
+    result = work / f"{fe.name.replace('/', '-')}-{endpoint}-{concurrency}-{time.monotonic_ns()}.json"
+    cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed)
+    cpu0 = cpu_seconds(fe.api_pid)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
+    cpu = cpu_seconds(fe.api_pid) - cpu0
+    if out.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm-rs bench serve failed ({out.returncode}) on {fe.name}:\n"
+                           f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}\nserver log:\n{tail(fe.log_path)}")
+    return measurements(json.loads(result.read_text()), cpu, num_prompts)
+
+
+def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str, float]:
+    """The columns of one run, from vllm-bench's result JSON.
+
+    Output tokens are the engine's, not the client's count: the client counts what it can
+    see in the streamed text (random token ids include special tokens, which are not
+    shown), while the mock engine emits exactly max_tokens per request and a request
+    completes only after its last one, so tokens = 256 x completed requests."""
+    completed = res["completed"]
+    if completed != num_prompts or res.get("failed", 0):
+        raise RuntimeError(f"{completed} of {num_prompts} requests completed: {res.get('errors')}")
+    ss = res.get("steady_state") or {}
+    req_s = ss.get("request_throughput") or res["request_throughput"]
+    return {
+        "req_s": req_s, "tok_s": req_s * OUTPUT_LEN,
+        "ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
+        "itl_p50": res["median_itl_ms"], "itl_p99": res["p99_itl_ms"],
+        "tpot_p50": res["median_tpot_ms"], "e2el_p50": res["median_e2el_ms"],
+        "cpu_per_1k": cpu / (num_prompts * OUTPUT_LEN / 1000),
+        "steady": 1.0 if ss else 0.0,
+    }
+
+
+def num_prompts_for(concurrency: int, factor: float) -> int:
+    """Closed loop: the first `concurrency` requests start together and, all getting one
+    token per engine step, finish together; the rest keep the concurrency up meanwhile."""
+    return max(int(concurrency * factor), concurrency + 8)
+
+
+def warm_up(tools: Tools, fes: dict[str, Frontend], model: str, endpoints: list[str],
+            work: pathlib.Path) -> None:
+    """First requests pay one-off costs (template compilation, caches): keep them out."""
+    for fe in fes.values():
+        for endpoint in endpoints:
+            run_load(tools, fe, model, endpoint, 4, 8, work)
+
+
+def rotated(items: list[str], k: int) -> list[str]:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
+            work: pathlib.Path) -> dict[tuple[str, str, int], list[dict[str, float]]]:
+    """All repeats; every repeat runs every (endpoint, concurrency) on every configuration."""
+    names = list(fes)
+    runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+    for rep in range(args.repeat):
+        for endpoint in args.endpoints:
+            for conc in args.concurrency:
+                n = num_prompts_for(conc, args.prompts_factor)
+                for name in rotated(names, rep):
+                    if name.endswith("/off") and endpoint not in args.off_endpoints:
+                        continue
+                    m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep)
+                    m["repeat"] = rep
+                    runs.setdefault((name, endpoint, conc), []).append(m)
+                    print(f"  repeat {rep} {endpoint:11s} c={conc:<4d} {name:10s} "
+                          f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s  "
+                          f"[{time.monotonic() - args.t0:.0f}s]", flush=True)
+    return runs
+
+
+def baseline_of(name: str) -> str:
+    """Stock with the same statistics setting."""
+    return "stock/" + name.split("/")[1]
+
+
+def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+    rows = []
+    for (name, endpoint, conc), ms in runs.items():
+        row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
+                               "repeats": len(ms)}
+        for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
+                    "e2el_p50", "cpu_per_1k"):
+            vals = [m[key] for m in ms]
+            digits = 2 if key in ("req_s", "tok_s") else 4
+            row[key] = round(statistics.median(vals), digits)
+            if key in ("req_s", "tok_s", "cpu_per_1k"):
+                row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
+        row["steady_state_runs"] = int(sum(m["steady"] for m in ms))
+        base = runs.get((baseline_of(name), endpoint, conc))
+        if base and name != baseline_of(name):
+            by_rep = {m["repeat"]: m["req_s"] for m in base}
+            ratios = [m["req_s"] / by_rep[m["repeat"]] for m in ms if m["repeat"] in by_rep]
+            row["vs_stock"] = round(statistics.median(ratios), 2)
+            row["vs_stock_min"], row["vs_stock_max"] = round(min(ratios), 2), round(max(ratios), 2)
+        rows.append(row)
+    order = {n: i for i, n in enumerate(ALL_CONFIGS)}
+    rows.sort(key=lambda r: (r["endpoint"], r["concurrency"], order.get(r["config"], 99)))
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """A Markdown table (reads in a terminal, pastes into the README)."""
+    print("| endpoint | conc | config | req/s (min-max) | out tok/s | TTFT p50 / p99 ms "
+          "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms | API CPU s / 1k tok | vs stock (min-max) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = (f"**{r['vs_stock']:.2f}** ({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})"
+                 if "vs_stock" in r else "-")
+        print(f"| {r['endpoint']} | {r['concurrency']} | {r['config']} "
+              f"| {r['req_s']:.2f} ({r['req_s_min']:.2f}-{r['req_s_max']:.2f}) | {r['tok_s']:.0f} "
+              f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['itl_p50']:.2f} / {r['itl_p99']:.2f} "
+              f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['cpu_per_1k']:.3f} | {ratio} |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_SERVE_QUICK") == "1",
+                    help="smoke-test size: one repeat, chat, concurrency 8, stock/on plugin/on rust/on")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--concurrency", default="8,32,64,128")
+    ap.add_argument("--endpoints", default="chat,completions")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--off-endpoints", default="chat",
+                    help="endpoints the statistics-off configurations run (time budget)")
+    ap.add_argument("--prompts-factor", type=float, default=1.5,
+                    help="requests per run = concurrency x this (closed loop)")
+    ap.add_argument("--mock-engine", type=pathlib.Path,
+                    default=os.environ.get("MOCK_ENGINE", MOCK_DIR / "vllm-mock-engine"))
+    ap.add_argument("--vllm-rs", type=pathlib.Path,
+                    default=os.environ.get("VLLM_RS", MOCK_DIR / "vllm-rs"))
+    ap.add_argument("--model", default=None, help="model folder (default: tools/tiny_model.py)")
+    ap.add_argument("--json-out", type=pathlib.Path, default=None, help="also write the JSON rows here")
+    ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                    help="py-spy record the API server of stock/on and plugin/on for SECONDS each")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeat, args.concurrency, args.endpoints = 1, "8", "chat"
+        args.configs = "stock/on,plugin/on,rust/on"
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    args.endpoints = args.endpoints.split(",")
+    args.off_endpoints = args.off_endpoints.split(",")
+    args.configs = args.configs.split(",")
+    for e in args.endpoints:
+        if e not in ENDPOINT_BACKEND:
+            ap.error(f"unknown endpoint {e}")
+    for c in args.configs:
+        if c not in ALL_CONFIGS:
+            ap.error(f"unknown configuration {c}")
+    args.tools = Tools(pathlib.Path(args.mock_engine).resolve(), pathlib.Path(args.vllm_rs).resolve())
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    t0 = time.monotonic()
+    args = parse_args(argv)
+    args.t0 = t0
+    for binary in (args.tools.mock_engine, args.tools.vllm_rs):
+        if not os.access(binary, os.X_OK):
+            sys.exit(f"{binary} missing: run `make mock-engine` first")
+    if args.model is None:
+        from tiny_model import ensure_tiny_model
+
+        args.model = str(ensure_tiny_model())
+    log_dir = ROOT / ".cache" / "logs" / f"bench-serve-{int(time.time())}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"bench-serve: configs {','.join(args.configs)}; endpoints {','.join(args.endpoints)}; "
+          f"concurrency {args.concurrency}; repeats {args.repeat}; "
+          f"{PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens; logs in {log_dir}", flush=True)
+    work = log_dir / "results"  # vllm-bench's result files, one per load run
+    work.mkdir()
+    with serving(args.configs, args.model, args.tools, log_dir) as fes:
+        print(f"  servers up after {time.monotonic() - t0:.0f}s", flush=True)
+        warm_up(args.tools, fes, args.model, args.endpoints, work)
+        if args.profile:
+            from profile_serve import profile_frontends
+
+            profile_frontends(args, fes, work)
+        rows = summarize(measure(args, fes, args.model, work))
+    print_table(rows)
+    for row in rows:
+        print(json.dumps(row))
+    if args.json_out:
+        args.json_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(json.dumps({"elapsed_s": round(time.monotonic() - t0, 1)}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
