@@ -24,10 +24,13 @@ fn tokenizer_json(prefix: &str) -> Option<PathBuf> {
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache"));
     ["models", "tokenizers"].iter().find_map(|sub| {
-        std::fs::read_dir(root.join(sub)).ok()?.flatten().find_map(|e| {
-            let f = e.path().join("tokenizer.json");
-            (e.file_name().to_string_lossy().starts_with(prefix) && f.exists()).then_some(f)
-        })
+        std::fs::read_dir(root.join(sub))
+            .ok()?
+            .flatten()
+            .find_map(|e| {
+                let f = e.path().join("tokenizer.json");
+                (e.file_name().to_string_lossy().starts_with(prefix) && f.exists()).then_some(f)
+            })
     })
 }
 
@@ -41,13 +44,31 @@ struct Batch {
 
 impl Batch {
     fn new(vocab: Arc<Vocab>, params: DetokParams) -> Self {
-        let enc = |s: &str| vocab.tokenizer().encode(s, false).expect("encode").get_ids().to_vec();
+        let enc = |s: &str| {
+            vocab
+                .tokenizer()
+                .encode(s, false)
+                .expect("encode")
+                .get_ids()
+                .to_vec()
+        };
         let prompt = enc("Please write an essay about foxes and dogs.");
         let gen = enc(&TEXT.repeat(40));
         let reqs = (0..BATCH)
-            .map(|i| (DetokState::new(vocab.clone(), &prompt, params.clone()), i * 7 % gen.len()))
+            .map(|i| {
+                (
+                    DetokState::new(vocab.clone(), &prompt, params.clone()),
+                    i * 7 % gen.len(),
+                )
+            })
             .collect();
-        Batch { vocab, params, prompt, gen, reqs }
+        Batch {
+            vocab,
+            params,
+            prompt,
+            gen,
+            reqs,
+        }
     }
 
     /// One engine step: every request gets one token and emits its delta text.
@@ -78,16 +99,29 @@ fn detok(c: &mut Criterion) {
             continue;
         };
         let vocab = Arc::new(Vocab::from_file(path.to_str().unwrap()).expect("load"));
-        let generic = Arc::new(Vocab::from_file(path.to_str().unwrap()).expect("load").generic());
-        let plain = DetokParams { skip_special_tokens: true, spaces_between_special_tokens: true, ..Default::default() };
-        let stops = DetokParams { stop: vec!["zebra".into(), "\n\n\n".into()], ..plain.clone() };
+        let generic = Arc::new(
+            Vocab::from_file(path.to_str().unwrap())
+                .expect("load")
+                .generic(),
+        );
+        let plain = DetokParams {
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
+            ..Default::default()
+        };
+        let stops = DetokParams {
+            stop: vec!["zebra".into(), "\n\n\n".into()],
+            ..plain.clone()
+        };
         for (label, v, p) in [
             ("table", &vocab, &plain),
             ("table+2stops", &vocab, &stops),
             ("crate_decode", &generic, &plain),
         ] {
             let mut b = Batch::new(v.clone(), p.clone());
-            g.bench_function(format!("{name}/{label}"), |bench| bench.iter(|| black_box(b.step())));
+            g.bench_function(format!("{name}/{label}"), |bench| {
+                bench.iter(|| black_box(b.step()))
+            });
         }
     }
     g.finish();
@@ -105,15 +139,39 @@ fn loop_step(c: &mut Criterion) {
         return;
     };
     let vocab = Arc::new(Vocab::from_file(path.to_str().unwrap()).expect("load"));
-    let enc = |s: &str| vocab.tokenizer().encode(s, false).expect("encode").get_ids().to_vec();
+    let enc = |s: &str| {
+        vocab
+            .tokenizer()
+            .encode(s, false)
+            .expect("encode")
+            .get_ids()
+            .to_vec()
+    };
     let prompt = enc("Please write an essay about foxes and dogs.");
     let gen = enc(&TEXT.repeat(40));
-    for (label, stop) in [("plain", vec![]), ("2stops", vec!["zebra".to_string(), "\n\n\n".to_string()])] {
-        let params = DetokParams { skip_special_tokens: true, spaces_between_special_tokens: true, stop, ..Default::default() };
+    for (label, stop) in [
+        ("plain", vec![]),
+        ("2stops", vec!["zebra".to_string(), "\n\n\n".to_string()]),
+    ] {
+        let params = DetokParams {
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
+            stop,
+            ..Default::default()
+        };
         let mut table: Table<(DetokState, usize)> = Table::default();
         let ids: Vec<String> = (0..BATCH).map(|i| format!("cmpl-{i:08x}-0")).collect();
         for (i, id) in ids.iter().enumerate() {
-            table.insert(id, id, (DetokState::new(vocab.clone(), &prompt, params.clone()), i * 7 % gen.len())).unwrap();
+            table
+                .insert(
+                    id,
+                    id,
+                    (
+                        DetokState::new(vocab.clone(), &prompt, params.clone()),
+                        i * 7 % gen.len(),
+                    ),
+                )
+                .unwrap();
         }
         g.bench_function(label, |bench| {
             bench.iter(|| {
@@ -126,7 +184,13 @@ fn loop_step(c: &mut Criterion) {
                     n += st.output_text_ref(stop.is_some(), true).len();
                     if stop.is_some() || *pos == gen.len() {
                         table.remove(id);
-                        table.insert(id, id, (DetokState::new(vocab.clone(), &prompt, params.clone()), 0)).unwrap();
+                        table
+                            .insert(
+                                id,
+                                id,
+                                (DetokState::new(vocab.clone(), &prompt, params.clone()), 0),
+                            )
+                            .unwrap();
                     }
                 }
                 black_box(n)
@@ -143,7 +207,9 @@ fn random_ids(n: usize) -> Vec<String> {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             format!("{:016x}", x)
         })
         .collect()
@@ -155,7 +221,10 @@ fn random_ids(n: usize) -> Vec<String> {
 fn table_flood(c: &mut Criterion) {
     let mut g = c.benchmark_group("table_2048_ids");
     g.throughput(Throughput::Elements(FLOOD as u64));
-    let kinds = [("random", random_ids(FLOOD)), ("fx_colliding", flood_ids(FLOOD))];
+    let kinds = [
+        ("random", random_ids(FLOOD)),
+        ("fx_colliding", flood_ids(FLOOD)),
+    ];
     for (kind, ids) in &kinds {
         g.bench_function(format!("table/{kind}"), |bench| {
             bench.iter(|| {
@@ -174,7 +243,10 @@ fn table_flood(c: &mut Criterion) {
             })
         });
     }
-    for (label, build) in [("fxhash_map", None), ("siphash_map", Some(IdBuild::default()))] {
+    for (label, build) in [
+        ("fxhash_map", None),
+        ("siphash_map", Some(IdBuild::default())),
+    ] {
         for (kind, ids) in &kinds {
             g.bench_function(format!("{label}/{kind}"), |bench| {
                 bench.iter(|| match &build {
@@ -188,7 +260,8 @@ fn table_flood(c: &mut Criterion) {
 }
 
 fn fill_and_read<S: std::hash::BuildHasher>(ids: &[String], build: S) -> usize {
-    let mut m: std::collections::HashMap<&str, usize, S> = std::collections::HashMap::with_hasher(build);
+    let mut m: std::collections::HashMap<&str, usize, S> =
+        std::collections::HashMap::with_hasher(build);
     for (i, id) in ids.iter().enumerate() {
         m.insert(id, i);
     }

@@ -130,6 +130,9 @@ pub struct Scratch {
     bytes: Vec<u8>,
 }
 
+/// A self-check mismatch: (ids, skip_special_tokens, ours, reference).
+pub type Mismatch = (Vec<u32>, bool, String, String);
+
 impl Vocab {
     /// From the JSON of the exact tokenizer vLLM uses (`tokenizer._tokenizer.to_str()`).
     pub fn from_json(json: &str) -> Result<Self, DetokError> {
@@ -177,7 +180,9 @@ impl Vocab {
 
     /// The crate's own decode, for comparison.
     pub fn decode_reference(&self, ids: &[u32], skip: bool) -> Result<String, DetokError> {
-        self.tok.decode(ids, skip).map_err(|e| DetokError::Decode(format!("{e}")))
+        self.tok
+            .decode(ids, skip)
+            .map_err(|e| DetokError::Decode(format!("{e}")))
     }
 
     fn decode_into(
@@ -208,7 +213,7 @@ impl Vocab {
         n_random: usize,
         max_len: usize,
         seed: u64,
-    ) -> Result<Vec<(Vec<u32>, bool, String, String)>, DetokError> {
+    ) -> Result<Vec<Mismatch>, DetokError> {
         let mut bad = Vec::new();
         let n = self.fast.as_ref().map_or(0, |t| t.entries.len()) as u32;
         let check = |ids: &[u32], bad: &mut Vec<_>| -> Result<(), DetokError> {
@@ -230,14 +235,16 @@ impl Vocab {
                 .filter(|&i| {
                     let e = t.entries[i as usize];
                     e.flags & (BYTE | SPECIAL) != 0
-                        || t.arena.get(e.off as usize..(e.off + e.len) as usize).is_some_and(
-                            |p| p.first().is_some_and(|b| *b == b' ' || *b >= 0x80),
-                        )
+                        || t.arena
+                            .get(e.off as usize..(e.off + e.len) as usize)
+                            .is_some_and(|p| p.first().is_some_and(|b| *b == b' ' || *b >= 0x80))
                 })
                 .collect(),
             None => vec![],
         };
-        let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut rng = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let mut next = || {
             rng ^= rng << 13;
             rng ^= rng >> 7;
@@ -266,7 +273,9 @@ impl Vocab {
 impl FastTable {
     /// Recognizes the decoder pipeline; None means "use `Tokenizer::decode`".
     fn build(tok: &Tokenizer) -> Result<Option<Self>, DetokError> {
-        let Some(decoder) = tok.get_decoder() else { return Ok(None) };
+        let Some(decoder) = tok.get_decoder() else {
+            return Ok(None);
+        };
         let json = serde_json::to_value(decoder).map_err(|e| DetokError::Load(e.to_string()))?;
         fn kind(v: &serde_json::Value) -> &str {
             v.get("type").and_then(|t| t.as_str()).unwrap_or("")
@@ -300,7 +309,9 @@ impl FastTable {
                     let s = &stages[i];
                     let content = s.get("content").and_then(|c| c.as_str()).unwrap_or("");
                     let mut chars = content.chars();
-                    let (Some(c), None) = (chars.next(), chars.next()) else { return Ok(None) };
+                    let (Some(c), None) = (chars.next(), chars.next()) else {
+                        return Ok(None);
+                    };
                     let start = s.get("start").and_then(|v| v.as_u64());
                     let stop = s.get("stop").and_then(|v| v.as_u64());
                     match (start, stop) {
@@ -317,13 +328,20 @@ impl FastTable {
             _ => return Ok(None),
         };
 
-        let n = tok.get_vocab(true).values().copied().max().map_or(0, |m| m as usize + 1);
+        let n = tok
+            .get_vocab(true)
+            .values()
+            .copied()
+            .max()
+            .map_or(0, |m| m as usize + 1);
         let added = tok.get_added_vocabulary();
         let char_bytes = byte_level_char_to_byte();
         let mut entries = vec![Entry::default(); n];
         let mut arena = Vec::new();
         for (id, entry) in entries.iter_mut().enumerate() {
-            let Some(token) = tok.id_to_token(id as u32) else { continue };
+            let Some(token) = tok.id_to_token(id as u32) else {
+                continue;
+            };
             let mut flags = PRESENT;
             if added.is_special_token(&token) {
                 flags |= SPECIAL;
@@ -339,7 +357,9 @@ impl FastTable {
                 Pipeline::Spm { .. } => {
                     let mut piece = vec![token];
                     for r in &replaces {
-                        piece = r.decode_chain(piece).map_err(|e| DetokError::Load(e.to_string()))?;
+                        piece = r
+                            .decode_chain(piece)
+                            .map_err(|e| DetokError::Load(e.to_string()))?;
                     }
                     let [piece] = <[String; 1]>::try_from(piece)
                         .map_err(|_| DetokError::Load("Replace changed the token count".into()))?;
@@ -362,9 +382,18 @@ impl FastTable {
                     }
                 }
             }
-            *entry = Entry { off, len: arena.len() as u32 - off, flags, byte };
+            *entry = Entry {
+                off,
+                len: arena.len() as u32 - off,
+                flags,
+                byte,
+            };
         }
-        Ok(Some(FastTable { pipeline, entries, arena }))
+        Ok(Some(FastTable {
+            pipeline,
+            entries,
+            arena,
+        }))
     }
 
     #[inline]
@@ -375,7 +404,9 @@ impl FastTable {
         match self.pipeline {
             Pipeline::ByteLevel => {
                 for &id in ids {
-                    let Some(e) = self.entries.get(id as usize) else { continue };
+                    let Some(e) = self.entries.get(id as usize) else {
+                        continue;
+                    };
                     if e.flags & PRESENT == 0 || e.flags & skip_mask != 0 {
                         continue;
                     }
@@ -385,7 +416,9 @@ impl FastTable {
             }
             Pipeline::Spm { strip } => {
                 for &id in ids {
-                    let Some(e) = self.entries.get(id as usize) else { continue };
+                    let Some(e) = self.entries.get(id as usize) else {
+                        continue;
+                    };
                     if e.flags & PRESENT == 0 || e.flags & skip_mask != 0 {
                         continue;
                     }
@@ -400,8 +433,12 @@ impl FastTable {
                 }
                 flush_byte_run(run, out);
                 if let Some((c, start)) = strip {
-                    let cut: usize =
-                        out.chars().take(start).take_while(|&x| x == c).map(char::len_utf8).sum();
+                    let cut: usize = out
+                        .chars()
+                        .take(start)
+                        .take_while(|&x| x == c)
+                        .map(char::len_utf8)
+                        .sum();
                     if cut > 0 {
                         out.replace_range(..cut, "");
                     }
@@ -426,7 +463,10 @@ fn flush_byte_run(run: &mut Vec<u8>, out: &mut String) {
 
 /// GPT-2's byte <-> printable char map, inverted (as the ByteLevel decoder uses it).
 fn byte_level_char_to_byte() -> HashMap<char, u8> {
-    let mut bs: Vec<u8> = (b'!'..=b'~').chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u8> = (b'!'..=b'~')
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs: Vec<u32> = bs.iter().map(|&b| b as u32).collect();
     let mut n = 0;
     for b in 0..=255u8 {
@@ -436,7 +476,10 @@ fn byte_level_char_to_byte() -> HashMap<char, u8> {
             n += 1;
         }
     }
-    bs.into_iter().zip(cs).filter_map(|(b, c)| char::from_u32(c).map(|c| (c, b))).collect()
+    bs.into_iter()
+        .zip(cs)
+        .filter_map(|(b, c)| char::from_u32(c).map(|c| (c, b)))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------
@@ -455,7 +498,10 @@ struct Stream {
 
 impl Stream {
     fn new(ids: Vec<u32>) -> Self {
-        Stream { ids, ..Default::default() }
+        Stream {
+            ids,
+            ..Default::default()
+        }
     }
 
     /// One `DecodeStream.step(tokenizer, id)`; on Some, the new text is appended to `out`.
@@ -539,14 +585,17 @@ impl DetokState {
     /// decode stream exactly like `DecodeStream(ids=prompt_token_ids)`.
     pub fn new(vocab: Arc<Vocab>, prompt_token_ids: &[u32], params: DetokParams) -> Self {
         let stop_chars: Vec<usize> = params.stop.iter().map(|s| s.chars().count()).collect();
-        let stop_buffer_length = if !params.stop.is_empty() && !params.include_stop_str_in_output
-        {
-            stop_chars.iter().copied().max().unwrap_or(0).saturating_sub(1)
+        let stop_buffer_length = if !params.stop.is_empty() && !params.include_stop_str_in_output {
+            stop_chars
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0)
+                .saturating_sub(1)
         } else {
             0
         };
-        let spaces_between = (params.skip_special_tokens
-            || params.spaces_between_special_tokens)
+        let spaces_between = (params.skip_special_tokens || params.spaces_between_special_tokens)
             || vocab.added.is_empty();
         DetokState {
             stream: Stream::new(prompt_token_ids.to_vec()),
@@ -593,7 +642,9 @@ impl DetokState {
         self.piece.clear();
         let vocab = &*self.vocab;
         let skip = self.skip_special_tokens;
-        let r = self.stream.step(vocab, id, skip, &mut self.scratch, &mut self.piece);
+        let r = self
+            .stream
+            .step(vocab, id, skip, &mut self.scratch, &mut self.piece);
         if let Err(DetokError::Decode(m)) = &r {
             if !m.starts_with(INVALID_PREFIX_ERR_MSG) {
                 return Err(DetokError::Decode(m.clone()));
@@ -601,7 +652,8 @@ impl DetokState {
             // vLLM resets the stream without the prompt and steps again.
             self.stream = Stream::default();
             self.piece.clear();
-            self.stream.step(vocab, id, skip, &mut self.scratch, &mut self.piece)?;
+            self.stream
+                .step(vocab, id, skip, &mut self.scratch, &mut self.piece)?;
         } else {
             r?;
         }
@@ -624,7 +676,9 @@ impl DetokState {
         new_ids: &[u32],
         stop_terminated: bool,
     ) -> Result<Option<String>, DetokError> {
-        let Some((&last, rest)) = new_ids.split_last() else { return Ok(None) };
+        let Some((&last, rest)) = new_ids.split_last() else {
+            return Ok(None);
+        };
         let (to_decode, skipped) = if stop_terminated && !self.include_stop_str_in_output {
             (rest, Some(last))
         } else {
@@ -746,7 +800,9 @@ fn check_stop_strings(
         // str.find(s, 1 - new_char_count - len): a negative start counts from the end.
         let start = (text_chars + 1).saturating_sub(new_char_count + len);
         let start_b = char_to_byte(text, text_chars, start);
-        let Some(found_b) = text[start_b..].find(s.as_str()) else { continue };
+        let Some(found_b) = text[start_b..].find(s.as_str()) else {
+            continue;
+        };
         let index = start + text[start_b..start_b + found_b].chars().count();
         let end = index + len;
         if best.is_none_or(|(_, _, e)| end < e) {

@@ -84,14 +84,34 @@ impl<'a, 'py> Eco<'a, 'py> {
 impl EcoReader {
     /// `slot_reads`: the adapter's self-check accepted the field list; when false
     /// every read is a `getattr`.
-    pub fn new(py: Python<'_>, cls: &Bound<'_, PyType>, names: &EcoFieldNames, slot_reads: bool) -> PyResult<Self> {
+    pub fn new(
+        py: Python<'_>,
+        cls: &Bound<'_, PyType>,
+        names: &EcoFieldNames,
+        slot_reads: bool,
+    ) -> PyResult<Self> {
         let by_field = names.by_field();
-        let offsets = if slot_reads { Self::probe(py, cls, &by_field).unwrap_or(None) } else { None };
-        let names = by_field.iter().map(|n| PyString::intern(py, n).unbind()).collect();
-        Ok(Self { cls: cls.clone().unbind(), names, offsets })
+        let offsets = if slot_reads {
+            Self::probe(py, cls, &by_field).unwrap_or(None)
+        } else {
+            None
+        };
+        let names = by_field
+            .iter()
+            .map(|n| PyString::intern(py, n).unbind())
+            .collect();
+        Ok(Self {
+            cls: cls.clone().unbind(),
+            names,
+            offsets,
+        })
     }
 
-    fn probe(py: Python<'_>, cls: &Bound<'_, PyType>, names: &[&str; COUNT]) -> PyResult<Option<Offsets>> {
+    fn probe(
+        py: Python<'_>,
+        cls: &Bound<'_, PyType>,
+        names: &[&str; COUNT],
+    ) -> PyResult<Option<Offsets>> {
         let fields: Vec<String> = cls.getattr("__struct_fields__")?.extract()?;
         let object = py.eval(c"object", None, None)?;
         let kwargs = PyDict::new(py);
@@ -115,7 +135,11 @@ impl EcoReader {
             while off + ptr_size <= basic {
                 // SAFETY: `probe` is a live instance of `cls` and [0, basicsize) is its
                 // fixed-size part; we only compare the loaded word to a pointer.
-                let word = unsafe { *(probe.as_ptr() as *const u8).offset(off).cast::<*mut ffi::PyObject>() };
+                let word = unsafe {
+                    *(probe.as_ptr() as *const u8)
+                        .offset(off)
+                        .cast::<*mut ffi::PyObject>()
+                };
                 if word == want {
                     found = Some(off);
                     break;
@@ -145,7 +169,11 @@ impl EcoReader {
 
     /// `obj` with its type checked once, for any number of field reads.
     pub fn view<'a, 'py>(&self, obj: &'a Bound<'py, PyAny>) -> Eco<'a, 'py> {
-        let exact_for = if self.is_exact(obj) { self.cls_ptr() } else { std::ptr::null() };
+        let exact_for = if self.is_exact(obj) {
+            self.cls_ptr()
+        } else {
+            std::ptr::null()
+        };
         Eco { obj, exact_for }
     }
 
@@ -160,7 +188,11 @@ impl EcoReader {
             // SAFETY: `exact_for` equals our class only when `view` found the
             // object's type to be exactly the class the offsets were probed on, so
             // the slot at this offset holds the field (a strong reference, or NULL).
-            let p = unsafe { *(eco.obj.as_ptr() as *const u8).offset(offs[f as usize]).cast::<*mut ffi::PyObject>() };
+            let p = unsafe {
+                *(eco.obj.as_ptr() as *const u8)
+                    .offset(offs[f as usize])
+                    .cast::<*mut ffi::PyObject>()
+            };
             if !p.is_null() {
                 // SAFETY: `p` is a live object owned by `eco.obj`, which outlives this call.
                 return Ok(unsafe { Bound::from_borrowed_ptr(eco.obj.py(), p) });

@@ -99,7 +99,12 @@ pub struct Table<T> {
 
 impl<T> Default for Table<T> {
     fn default() -> Self {
-        Self { by_id: IdMap::default(), slots: Vec::new(), free: Vec::new(), external: IdMap::default() }
+        Self {
+            by_id: IdMap::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            external: IdMap::default(),
+        }
     }
 }
 
@@ -129,7 +134,9 @@ impl<T> Table<T> {
         self.by_id.keys()
     }
     pub fn values(&self) -> impl Iterator<Item = &T> {
-        self.slots.iter().filter_map(|e| e.as_ref().map(|e| &e.value))
+        self.slots
+            .iter()
+            .filter_map(|e| e.as_ref().map(|e| &e.value))
     }
     pub fn external_ids(&self, external: &str) -> Option<&Vec<String>> {
         self.external.get(external)
@@ -139,7 +146,10 @@ impl<T> Table<T> {
         if self.by_id.contains_key(id) {
             return Err(TableError::Duplicate(id.to_owned()));
         }
-        let entry = Entry { external: external.to_owned(), value };
+        let entry = Entry {
+            external: external.to_owned(),
+            value,
+        };
         let slot = match self.free.pop() {
             Some(s) => {
                 self.slots[s] = Some(entry);
@@ -151,7 +161,10 @@ impl<T> Table<T> {
             }
         };
         self.by_id.insert(id.to_owned(), slot);
-        self.external.entry(external.to_owned()).or_default().push(id.to_owned());
+        self.external
+            .entry(external.to_owned())
+            .or_default()
+            .push(id.to_owned());
         Ok(slot)
     }
 
@@ -253,7 +266,10 @@ mod tests {
     #[test]
     fn double_add_is_an_error_and_keeps_the_first() {
         let mut t = table();
-        assert_eq!(t.insert("a", "Z", 9), Err(TableError::Duplicate("a".into())));
+        assert_eq!(
+            t.insert("a", "Z", 9),
+            Err(TableError::Duplicate("a".into()))
+        );
         assert_eq!(t.by_id("a"), Some(&1));
         assert_eq!(t.external_ids("Z"), None);
         assert_eq!(t.len(), 3);
@@ -326,7 +342,10 @@ mod tests {
         assert_eq!(distinct.len(), ids.len());
         let fx = FxBuild::default();
         let h0 = fx.hash_one(&ids[0]);
-        assert!(ids.iter().all(|id| fx.hash_one(id) == h0), "the construction is wrong");
+        assert!(
+            ids.iter().all(|id| fx.hash_one(id) == h0),
+            "the construction is wrong"
+        );
         assert_ne!(fx.hash_one("0_req"), h0);
     }
 
@@ -340,7 +359,9 @@ mod tests {
         let fixed = BuildHasherDefault::<DefaultHasher>::default();
         let random = IdBuild::default();
         for hashes in [
-            ids.iter().map(|id| fixed.hash_one(id)).collect::<Vec<u64>>(),
+            ids.iter()
+                .map(|id| fixed.hash_one(id))
+                .collect::<Vec<u64>>(),
             ids.iter().map(|id| random.hash_one(id)).collect(),
         ] {
             let distinct: HashSet<u64> = hashes.iter().copied().collect();
@@ -357,7 +378,10 @@ mod tests {
         for (i, id) in ids.iter().enumerate() {
             t.insert(id, id, i).unwrap();
         }
-        assert!(ids.iter().enumerate().all(|(i, id)| t.by_id(id) == Some(&i)));
+        assert!(ids
+            .iter()
+            .enumerate()
+            .all(|(i, id)| t.by_id(id) == Some(&i)));
         assert!(ids.iter().all(|id| t.remove(id).is_some()));
         assert!(t.is_empty());
     }

@@ -9,10 +9,19 @@ impl OutputCore {
     #[new]
     fn new(py: Python<'_>, spec: CoreSpec<'_>) -> PyResult<Self> {
         api("new", || {
-            let finish = FinishCodes { stop: spec.finish_stop, abort: spec.finish_abort, error: spec.finish_error };
+            let finish = FinishCodes {
+                stop: spec.finish_stop,
+                abort: spec.finish_abort,
+                error: spec.finish_error,
+            };
             let n_codes = spec.finish_reasons.len() as i64;
-            if [finish.stop, finish.abort, finish.error].iter().any(|c| !(0..n_codes).contains(c)) {
-                return Err(PyValueError::new_err("CoreSpec: finish codes must index finish_reasons"));
+            if [finish.stop, finish.abort, finish.error]
+                .iter()
+                .any(|c| !(0..n_codes).contains(c))
+            {
+                return Err(PyValueError::new_err(
+                    "CoreSpec: finish codes must index finish_reasons",
+                ));
             }
             let mut finish_strs = Vec::new();
             for v in &spec.finish_reasons {
@@ -22,7 +31,12 @@ impl OutputCore {
             Ok(Self {
                 table: Table::default(),
                 parents: FxMap::default(),
-                eco: EcoReader::new(py, &spec.engine_core_output, &spec.eco_fields, spec.eco_offsets)?,
+                eco: EcoReader::new(
+                    py,
+                    &spec.engine_core_output,
+                    &spec.eco_fields,
+                    spec.eco_offsets,
+                )?,
                 cls: Classes {
                     request_output: spec.request_output.unbind(),
                     completion_output: spec.completion_output.unbind(),
@@ -79,7 +93,10 @@ impl OutputCore {
     /// Whether a tracked request detokenizes natively.
     fn is_native(&self, request_id: &str) -> PyResult<bool> {
         api("is_native", || {
-            let r = self.table.by_id(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            let r = self
+                .table
+                .by_id(request_id)
+                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
             Ok(matches!(&r.mode, Mode::Fast(f) if matches!(f.detok, Detok::Native(_))))
         })
     }
@@ -95,7 +112,9 @@ impl OutputCore {
     }
     #[getter]
     fn get_mm_cache_source(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        api("get_mm_cache_source", || Ok(self.mm_cache_source.as_ref().map(|s| s.clone_ref(py))))
+        api("get_mm_cache_source", || {
+            Ok(self.mm_cache_source.as_ref().map(|s| s.clone_ref(py)))
+        })
     }
 
     /// Track a new request. `fast` is a `vllm_adapter.base.FastSpec`
@@ -118,18 +137,27 @@ impl OutputCore {
         api("add", || {
             let id = request_id.to_str()?;
             if self.table.contains(id) {
-                return Err(PyValueError::new_err(format!("request {id:?} is already tracked by the output processor")));
+                return Err(PyValueError::new_err(format!(
+                    "request {id:?} is already tracked by the output processor"
+                )));
             }
             let queue = match queue {
                 None => None,
                 Some(q) => {
                     let exact = q.get_type().is(self.cls.collector.bind(py));
-                    let dict = if exact { q.getattr("__dict__")?.cast_into::<PyDict>().ok() } else { None };
+                    let dict = if exact {
+                        q.getattr("__dict__")?.cast_into::<PyDict>().ok()
+                    } else {
+                        None
+                    };
                     let ready = match &dict {
                         Some(_) => {
                             let r = q.getattr("ready")?;
                             if r.get_type().is(self.cls.event.bind(py)) {
-                                r.getattr("__dict__")?.cast_into::<PyDict>().ok().map(|d| (r.unbind(), d.unbind()))
+                                r.getattr("__dict__")?
+                                    .cast_into::<PyDict>()
+                                    .ok()
+                                    .map(|d| (r.unbind(), d.unbind()))
                             } else {
                                 None
                             }
@@ -139,7 +167,11 @@ impl OutputCore {
                     Some(Queue {
                         obj: q.clone().unbind(),
                         exact,
-                        aggregate: if exact { q.getattr("aggregate")?.extract()? } else { false },
+                        aggregate: if exact {
+                            q.getattr("aggregate")?.extract()?
+                        } else {
+                            false
+                        },
                         dict: dict.map(|d| d.unbind()),
                         ready,
                     })
@@ -147,7 +179,10 @@ impl OutputCore {
             };
             let mode = match fast {
                 None => {
-                    *self.fallbacks.entry(fallback_reason.unwrap_or("unspecified").to_owned()).or_default() += 1;
+                    *self
+                        .fallbacks
+                        .entry(fallback_reason.unwrap_or("unspecified").to_owned())
+                        .or_default() += 1;
                     Mode::Fallback
                 }
                 Some(d) => {
@@ -160,16 +195,18 @@ impl OutputCore {
                     let stream_interval = d.stream_interval.max(1) as usize;
                     let has_native = d.native.is_some();
                     let detok = match (d.native, &self.vocab) {
-                        (Some(n), Some(vocab)) => match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
-                            Ok(nd) => {
-                                self.native_requests += 1;
-                                Detok::Native(Box::new(nd))
+                        (Some(n), Some(vocab)) => {
+                            match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
+                                Ok(nd) => {
+                                    self.native_requests += 1;
+                                    Detok::Native(Box::new(nd))
+                                }
+                                Err(reason) => {
+                                    *self.python_detok.entry(reason.to_owned()).or_default() += 1;
+                                    Detok::Python(d.detokenizer.unbind())
+                                }
                             }
-                            Err(reason) => {
-                                *self.python_detok.entry(reason.to_owned()).or_default() += 1;
-                                Detok::Python(d.detokenizer.unbind())
-                            }
-                        },
+                        }
                         _ => {
                             let reason = match d.detok_reason {
                                 Some(r) => r,
@@ -218,7 +255,9 @@ impl OutputCore {
                 let pid: String = p.getattr("request_id")?.extract()?;
                 self.parents.insert(pid, p.clone().unbind());
             }
-            self.table.insert(id, external_req_id, req).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            self.table
+                .insert(id, external_req_id, req)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
             Ok(())
         })
     }
@@ -235,62 +274,93 @@ impl OutputCore {
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
         // A bug here (a panic) becomes a Python exception, not an unwind through
         // the interpreter.
-        api("process_outputs", move || -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
-            let ecos = match engine_core_outputs.cast::<PyList>() {
-                Ok(l) => l.clone(),
-                Err(_) => PyList::new(py, engine_core_outputs.try_iter().map_err(|_| PyTypeError::new_err("engine_core_outputs must be a list of EngineCoreOutput"))?.collect::<PyResult<Vec<_>>>()?)?,
-            };
-            let none = py.None().into_bound(py);
-            let ts = engine_core_timestamp.unwrap_or_else(|| none.clone());
-            let its = iteration_stats.unwrap_or_else(|| none.clone());
-            let wv = weight_version.unwrap_or_else(|| none.clone());
-            let outs = PyList::empty(py);
-            let aborts = PyList::empty(py);
+        api(
+            "process_outputs",
+            move || -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+                let ecos = match engine_core_outputs.cast::<PyList>() {
+                    Ok(l) => l.clone(),
+                    Err(_) => PyList::new(
+                        py,
+                        engine_core_outputs
+                            .try_iter()
+                            .map_err(|_| {
+                                PyTypeError::new_err(
+                                    "engine_core_outputs must be a list of EngineCoreOutput",
+                                )
+                            })?
+                            .collect::<PyResult<Vec<_>>>()?,
+                    )?,
+                };
+                let none = py.None().into_bound(py);
+                let ts = engine_core_timestamp.unwrap_or_else(|| none.clone());
+                let its = iteration_stats.unwrap_or_else(|| none.clone());
+                let wv = weight_version.unwrap_or_else(|| none.clone());
+                let outs = PyList::empty(py);
+                let aborts = PyList::empty(py);
 
-            // Pre-pass: every missing hash of this step is invalidated in P0's sender
-            // cache, once, before any output of the step is published.
-            let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
-            for eco in ecos.iter() {
-                let m = self.eco.get(&self.eco.view(&eco), F::MmCacheMissHashes)?;
-                if !m.is_none() && m.is_truthy()? {
-                    for h in m.try_iter()? {
-                        let h = h?;
-                        let h = h.cast::<PyString>().map_err(|_| PyTypeError::new_err("mm_cache_miss_hashes must hold str"))?;
-                        self.misses.add(h.to_str()?);
-                    }
-                    with_misses.push(eco);
-                }
-            }
-            self.invalidate_misses(py)?;
-
-            let cx = Step { ts: &ts, iteration_stats: &its, weight_version: &wv, outs: &outs, aborts: &aborts };
-            let result = (|| {
+                // Pre-pass: every missing hash of this step is invalidated in P0's sender
+                // cache, once, before any output of the step is published.
+                let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
                 for eco in ecos.iter() {
-                    self.step_one(py, &eco, &cx)?;
+                    let m = self.eco.get(&self.eco.view(&eco), F::MmCacheMissHashes)?;
+                    if !m.is_none() && m.is_truthy()? {
+                        for h in m.try_iter()? {
+                            let h = h?;
+                            let h = h.cast::<PyString>().map_err(|_| {
+                                PyTypeError::new_err("mm_cache_miss_hashes must hold str")
+                            })?;
+                            self.misses.add(h.to_str()?);
+                        }
+                        with_misses.push(eco);
+                    }
                 }
-                Ok::<(), PyErr>(())
-            })();
-            // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
-            // after process_outputs and would invalidate them a second time. Clearing
-            // the field (instead of patching those loops) keeps that code stock.
-            for eco in with_misses {
-                eco.setattr(self.eco.name(py, F::MmCacheMissHashes), &none)?;
-            }
-            result?;
-            Ok((outs, aborts))
-        })
+                self.invalidate_misses(py)?;
+
+                let cx = Step {
+                    ts: &ts,
+                    iteration_stats: &its,
+                    weight_version: &wv,
+                    outs: &outs,
+                    aborts: &aborts,
+                };
+                let result = (|| {
+                    for eco in ecos.iter() {
+                        self.step_one(py, &eco, &cx)?;
+                    }
+                    Ok::<(), PyErr>(())
+                })();
+                // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
+                // after process_outputs and would invalidate them a second time. Clearing
+                // the field (instead of patching those loops) keeps that code stock.
+                for eco in with_misses {
+                    eco.setattr(self.eco.name(py, F::MmCacheMissHashes), &none)?;
+                }
+                result?;
+                Ok((outs, aborts))
+            },
+        )
     }
 
     /// vLLM's `abort_requests`: returns the internal ids to abort in the engine.
-    fn abort<'py>(&mut self, py: Python<'py>, request_ids: &Bound<'py, PyAny>, internal: bool) -> PyResult<Vec<Py<PyString>>> {
+    fn abort<'py>(
+        &mut self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        internal: bool,
+    ) -> PyResult<Vec<Py<PyString>>> {
         api("abort", || {
             if request_ids.is_instance_of::<PyString>() {
-                return Err(PyTypeError::new_err("request_ids must be an iterable of str, not a str"));
+                return Err(PyTypeError::new_err(
+                    "request_ids must be an iterable of str, not a str",
+                ));
             }
             let ids: Vec<String> = request_ids
                 .try_iter()
                 .map_err(|_| PyTypeError::new_err("request_ids must be an iterable of str"))?
-                .map(|x| x?.extract::<String>().map_err(|_| PyTypeError::new_err("request ids must be str")))
+                .map(|x| {
+                    x?.extract::<String>()
+                        .map_err(|_| PyTypeError::new_err("request ids must be str"))
+                })
                 .collect::<PyResult<_>>()?;
             let mut result = Vec::new();
             self.abort_inner(py, ids, internal, &mut result)?;
@@ -301,7 +371,10 @@ impl OutputCore {
     /// Drop a finished request (used by streaming-input bookkeeping in Python).
     fn finish_request(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         api("finish_request", || {
-            let req = self.table.remove(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            let req = self
+                .table
+                .remove(request_id)
+                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
             if let Some(parent) = &req.parent {
                 let p = parent.bind(py);
                 if p.getattr("child_requests")?.len()? == 0 {
@@ -321,14 +394,20 @@ impl OutputCore {
     }
     fn is_streaming(&self, request_id: &str) -> PyResult<bool> {
         api("is_streaming", || {
-            self.table.by_id(request_id).map(|r| r.streaming).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))
+            self.table
+                .by_id(request_id)
+                .map(|r| r.streaming)
+                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))
         })
     }
 
     /// The stock RequestState of a request, its fields brought up to date.
     fn state(&self, py: Python<'_>, request_id: &str) -> PyResult<Py<PyAny>> {
         api("state", || {
-            let req = self.table.by_id(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            let req = self
+                .table
+                .by_id(request_id)
+                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
             Self::sync_state(py, req)?;
             Ok(req.state.clone_ref(py))
         })
@@ -336,7 +415,10 @@ impl OutputCore {
     /// Read back a state a Python helper changed (streaming updates).
     fn reload_state(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         api("reload_state", || {
-            let slot = self.table.slot_of(request_id).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            let slot = self
+                .table
+                .slot_of(request_id)
+                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
             Self::load_state(py, self.table.get_mut(slot).unwrap())
         })
     }
@@ -362,11 +444,23 @@ impl OutputCore {
         })
     }
     fn external_ids(&self, external_req_id: &str) -> PyResult<Vec<String>> {
-        api("external_ids", || Ok(self.table.external_ids(external_req_id).cloned().unwrap_or_default()))
+        api("external_ids", || {
+            Ok(self
+                .table
+                .external_ids(external_req_id)
+                .cloned()
+                .unwrap_or_default())
+        })
     }
     /// Collectors of all live requests (for propagate_error); None for LLMEngine mode.
     fn queues<'py>(&self, py: Python<'py>) -> PyResult<Vec<Option<Py<PyAny>>>> {
-        api("queues", || Ok(self.table.values().map(|r| r.queue.as_ref().map(|q| q.obj.clone_ref(py))).collect()))
+        api("queues", || {
+            Ok(self
+                .table
+                .values()
+                .map(|r| r.queue.as_ref().map(|q| q.obj.clone_ref(py)))
+                .collect())
+        })
     }
     fn num_queued_tokens(&self, py: Python<'_>) -> PyResult<usize> {
         api("num_queued_tokens", || {
@@ -412,7 +506,10 @@ impl OutputCore {
     }
     fn is_fast(&self, request_id: &str) -> PyResult<bool> {
         api("is_fast", || {
-            self.table.by_id(request_id).map(|r| matches!(r.mode, Mode::Fast(_))).ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))
+            self.table
+                .by_id(request_id)
+                .map(|r| matches!(r.mode, Mode::Fast(_)))
+                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))
         })
     }
 

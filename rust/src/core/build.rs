@@ -5,13 +5,20 @@ use super::*;
 
 /// A new instance of a plain Python class with `dict` as its `__dict__`,
 /// without running `__init__` (the fields are exactly those `__init__` sets).
-pub(super) fn new_with_dict<'py>(cls: &Bound<'py, PyType>, dict: Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
+pub(super) fn new_with_dict<'py>(
+    cls: &Bound<'py, PyType>,
+    dict: Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = cls.py();
     // SAFETY: GenericNew allocates an instance of a heap type (tp_alloc), and
     // GenericSetDict installs the dict; both return NULL/-1 with an exception set.
     unsafe {
         let args = PyTuple::empty(py);
-        let obj = ffi::PyType_GenericNew(cls.as_ptr() as *mut ffi::PyTypeObject, args.as_ptr(), std::ptr::null_mut());
+        let obj = ffi::PyType_GenericNew(
+            cls.as_ptr() as *mut ffi::PyTypeObject,
+            args.as_ptr(),
+            std::ptr::null_mut(),
+        );
         let obj = Bound::from_owned_ptr_or_err(py, obj)?;
         if ffi::PyObject_GenericSetDict(obj.as_ptr(), dict.as_ptr(), std::ptr::null_mut()) != 0 {
             return Err(PyErr::fetch(py));
@@ -34,7 +41,11 @@ pub(super) fn copy_dict<'py>(d: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyDi
 }
 
 impl Classes {
-    pub(super) fn weight_spans<'py>(&self, py: Python<'py>, f: &Fast) -> PyResult<Bound<'py, PyAny>> {
+    pub(super) fn weight_spans<'py>(
+        &self,
+        py: Python<'py>,
+        f: &Fast,
+    ) -> PyResult<Bound<'py, PyAny>> {
         if f.weight_starts.is_empty() && f.n_out > 0 {
             return Ok(py.None().into_bound(py));
         }
@@ -59,25 +70,38 @@ impl Classes {
         kv: Bound<'py, PyAny>,
         ec: Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Mode::Fast(f) = &mut req.mode else { unreachable!("fast output for a fallback request") };
+        let Mode::Fast(f) = &mut req.mode else {
+            unreachable!("fast output for a fallback request")
+        };
         let mut finished = fr.is_some();
         if !finished && f.kind == OutKind::FinalOnly {
             return Ok(None);
         }
         let delta = f.kind == OutKind::Delta;
         let mut token_ids = new_ids;
-        if f.stream_interval > 1 && !(finished || f.sent_offset == 0 || f.n_out - f.sent_offset >= f.stream_interval) {
+        if f.stream_interval > 1
+            && !(finished || f.sent_offset == 0 || f.n_out - f.sent_offset >= f.stream_interval)
+        {
             return Ok(None);
         }
         let (text, all_ids) = match &mut f.detok {
             Detok::Python(detok) => {
                 let detok = detok.bind(py);
-                let all = if f.stream_interval > 1 || !delta { Some(detok.getattr(s!(py, "output_token_ids"))?) } else { None };
-                (detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?, all)
+                let all = if f.stream_interval > 1 || !delta {
+                    Some(detok.getattr(s!(py, "output_token_ids"))?)
+                } else {
+                    None
+                };
+                (
+                    detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?,
+                    all,
+                )
             }
             Detok::Native(nd) => {
                 let st = &mut nd.st;
-                let text = guarded("get_next_output_text", || PyString::new(py, st.output_text_ref(finished, delta)).into_any())?;
+                let text = guarded("get_next_output_text", || {
+                    PyString::new(py, st.output_text_ref(finished, delta)).into_any()
+                })?;
                 (text, nd.ids.as_ref().map(|l| l.bind(py).clone().into_any()))
             }
         };
@@ -85,7 +109,8 @@ impl Classes {
             if !delta {
                 token_ids = all;
             } else if f.stream_interval > 1 {
-                token_ids = all.get_item(PySlice::new(py, f.sent_offset as isize, isize::MAX, 1))?;
+                token_ids =
+                    all.get_item(PySlice::new(py, f.sent_offset as isize, isize::MAX, 1))?;
                 f.sent_offset = f.n_out;
             }
         }
@@ -93,13 +118,19 @@ impl Classes {
         co.set_item(self.fields.text.bind(py), text)?;
         co.set_item(self.fields.token_ids.bind(py), token_ids)?;
         if let Some(code) = fr {
-            let fs = self.finish_strs.get(code as usize).ok_or_else(|| PyValueError::new_err(format!("unknown finish_reason {code}")))?;
+            let fs = self
+                .finish_strs
+                .get(code as usize)
+                .ok_or_else(|| PyValueError::new_err(format!("unknown finish_reason {code}")))?;
             co.set_item(self.fields.finish_reason.bind(py), fs.bind(py))?;
             co.set_item(self.fields.stop_reason.bind(py), stop_reason)?;
             if let Some(m) = &f.spec_decode_metrics {
                 co.set_item(self.fields.spec_decode_metrics.bind(py), m.bind(py))?;
             }
-            co.set_item(self.fields.weight_versions.bind(py), self.weight_spans(py, f)?)?;
+            co.set_item(
+                self.fields.weight_versions.bind(py),
+                self.weight_spans(py, f)?,
+            )?;
         }
         let co = new_with_dict(self.completion_output.bind(py), co)?;
         let outputs = match &req.parent {
@@ -112,7 +143,9 @@ impl Classes {
                     finished = sib.bind(py).len()? == 0;
                     PyList::new(py, [co])?.into_any()
                 } else {
-                    let r = parent.bind(py).call_method1(s!(py, "get_outputs"), (req.id.bind(py), co))?;
+                    let r = parent
+                        .bind(py)
+                        .call_method1(s!(py, "get_outputs"), (req.id.bind(py), co))?;
                     let (outs, fin): (Bound<'py, PyAny>, bool) = r.extract()?;
                     if !outs.is_truthy()? {
                         return Ok(None);
@@ -140,7 +173,12 @@ impl Classes {
 }
 
 impl OutputCore {
-    pub(super) fn put<'py>(&self, py: Python<'py>, q: &Queue, out: &Bound<'py, PyAny>) -> PyResult<()> {
+    pub(super) fn put<'py>(
+        &self,
+        py: Python<'py>,
+        q: &Queue,
+        out: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
         let obj = q.obj.bind(py);
         let Some(d) = q.dict.as_ref().filter(|_| q.exact) else {
             obj.call_method1(s!(py, "put"), (out,))?;
@@ -176,7 +214,10 @@ impl OutputCore {
         if let Some((ev, evd)) = &q.ready {
             if ready.is(ev) {
                 let evd = evd.bind(py);
-                if let (Some(v), Some(w)) = (evd.get_item(s!(py, "_value"))?, evd.get_item(s!(py, "_waiters"))?) {
+                if let (Some(v), Some(w)) = (
+                    evd.get_item(s!(py, "_value"))?,
+                    evd.get_item(s!(py, "_waiters"))?,
+                ) {
                     if v.is_truthy()? {
                         return Ok(());
                     }
@@ -191,11 +232,16 @@ impl OutputCore {
         Ok(())
     }
 
-    pub(super) fn publish<'py>(&self, py: Python<'py>, req: &Req, out: Bound<'py, PyAny>, list: &Bound<'py, PyList>) -> PyResult<()> {
+    pub(super) fn publish<'py>(
+        &self,
+        py: Python<'py>,
+        req: &Req,
+        out: Bound<'py, PyAny>,
+        list: &Bound<'py, PyList>,
+    ) -> PyResult<()> {
         match &req.queue {
             Some(q) => self.put(py, q, &out),
             None => list.append(out),
         }
     }
-
 }

@@ -69,8 +69,14 @@ fn detok_err(e: DetokError) -> PyErr {
 /// this call instead of unwinding through the interpreter.
 fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
-        let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
-        pyo3::exceptions::PyRuntimeError::new_err(format!("vllm_mmretry core failed in {what}: {msg}"))
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "vllm_mmretry core failed in {what}: {msg}"
+        ))
     })
 }
 
@@ -192,9 +198,19 @@ macro_rules! output_fields {
 }
 
 output_fields!(
-    outputs, finished, kv_transfer_params, ec_transfer_params, num_cached_tokens,
-    num_cache_creation_tokens, error, text, token_ids, finish_reason, stop_reason,
-    spec_decode_metrics, weight_versions,
+    outputs,
+    finished,
+    kv_transfer_params,
+    ec_transfer_params,
+    num_cached_tokens,
+    num_cache_creation_tokens,
+    error,
+    text,
+    token_ids,
+    finish_reason,
+    stop_reason,
+    spec_decode_metrics,
+    weight_versions,
 );
 
 /// The `FinishReason` codes the loop acts on, from the adapter.
@@ -262,7 +278,9 @@ struct NativeSpec<'py> {
 
 fn callable(name: &str, h: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
     if !h.is_callable() {
-        return Err(PyTypeError::new_err(format!("CoreSpec.helpers.{name} must be callable")));
+        return Err(PyTypeError::new_err(format!(
+            "CoreSpec.helpers.{name} must be callable"
+        )));
     }
     Ok(h.unbind())
 }
@@ -304,13 +322,18 @@ macro_rules! s {
     };
 }
 
-
 fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     if fr.is_none() {
         return Ok(None);
     }
     Ok(Some(fr.extract::<i64>().map_err(|_| {
-        PyTypeError::new_err(format!("finish_reason must be a FinishReason, got {}", fr.get_type().name().map(|n| n.to_string()).unwrap_or_default()))
+        PyTypeError::new_err(format!(
+            "finish_reason must be a FinishReason, got {}",
+            fr.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
     })?))
 }
 

@@ -10,10 +10,16 @@ impl OutputCore {
         let st = req.state.bind(py);
         st.setattr(s!(py, "is_prefilling"), req.is_prefilling)?;
         st.setattr(s!(py, "num_cached_tokens"), req.num_cached_tokens.bind(py))?;
-        st.setattr(s!(py, "num_cache_creation_tokens"), req.num_cache_creation_tokens.bind(py))?;
+        st.setattr(
+            s!(py, "num_cache_creation_tokens"),
+            req.num_cache_creation_tokens.bind(py),
+        )?;
         if let Mode::Fast(f) = &req.mode {
             st.setattr(s!(py, "sent_tokens_offset"), f.sent_offset)?;
-            st.setattr(s!(py, "spec_decode_metrics"), f.spec_decode_metrics.as_ref().map(|m| m.bind(py).clone()))?;
+            st.setattr(
+                s!(py, "spec_decode_metrics"),
+                f.spec_decode_metrics.as_ref().map(|m| m.bind(py).clone()),
+            )?;
             let starts = PyList::empty(py);
             for (v, s) in &f.weight_starts {
                 starts.append((v.bind(py), *s))?;
@@ -60,7 +66,8 @@ impl OutputCore {
         if let Err(r) = supports(&params) {
             return Ok(Err(r.label()));
         }
-        let ids = (kind != OutKind::Delta || stream_interval > 1).then(|| PyList::empty(py).unbind());
+        let ids =
+            (kind != OutKind::Delta || stream_interval > 1).then(|| PyList::empty(py).unbind());
         let st = guarded("new", || DetokState::new(vocab, &prompt_ids, params))?;
         Ok(Ok(Native { st, ids }))
     }
@@ -73,7 +80,6 @@ impl OutputCore {
         *self.fallbacks.entry(reason.to_owned()).or_default() += 1;
         Ok(())
     }
-
 }
 
 impl Helpers {
@@ -83,7 +89,11 @@ impl Helpers {
         if let Mode::Fast(f) = &req.mode {
             if let Detok::Native(nd) = &f.detok {
                 let ids = PyList::new(py, nd.st.output_token_ids())?;
-                self.adopt_native.bind(py).call1((req.state.bind(py), ids, nd.st.last_output_offset()))?;
+                self.adopt_native.bind(py).call1((
+                    req.state.bind(py),
+                    ids,
+                    nd.st.last_output_offset(),
+                ))?;
             }
         }
         Ok(())
@@ -103,7 +113,9 @@ impl OutputCore {
         eco: &Bound<'py, PyAny>,
         aborts: &Bound<'py, PyList>,
     ) -> PyResult<()> {
-        let Some(req) = self.table.remove(id) else { return Ok(()) };
+        let Some(req) = self.table.remove(id) else {
+            return Ok(());
+        };
         if let Some(parent) = &req.parent {
             let p = parent.bind(py);
             if p.getattr(s!(py, "child_requests"))?.len()? == 0 {
@@ -129,14 +141,23 @@ impl OutputCore {
 
     /// Abort every live sibling of `parent` (n>1 miss): removed here, listed for
     /// the engine core, no abort output (the parent's answer is the error).
-    pub(super) fn abort_siblings<'py>(&mut self, py: Python<'py>, parent: &Bound<'py, PyAny>, aborts: &Bound<'py, PyList>) -> PyResult<()> {
+    pub(super) fn abort_siblings<'py>(
+        &mut self,
+        py: Python<'py>,
+        parent: &Bound<'py, PyAny>,
+        aborts: &Bound<'py, PyList>,
+    ) -> PyResult<()> {
         let children = parent.getattr(s!(py, "child_requests"))?;
-        let ids: Vec<String> = PyList::new(py, children.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.extract()?;
+        let ids: Vec<String> =
+            PyList::new(py, children.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.extract()?;
         for cid in ids {
             let resolved = self.table.resolve_abort(std::slice::from_ref(&cid), true);
             for rid in resolved {
                 if let Some(req) = self.table.pop_aborted(&rid) {
-                    self.lora_states.bind(py).call_method1(s!(py, "request_finished"), (req.id.bind(py), req.lora_name.bind(py)))?;
+                    self.lora_states.bind(py).call_method1(
+                        s!(py, "request_finished"),
+                        (req.id.bind(py), req.lora_name.bind(py)),
+                    )?;
                     aborts.append(req.id.bind(py))?;
                 }
             }
@@ -183,7 +204,9 @@ impl OutputCore {
     ) -> PyResult<()> {
         let ev = self.eco.view(eco);
         let rid_obj = self.eco.get(&ev, F::RequestId)?;
-        let rid = rid_obj.cast::<PyString>().map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
+        let rid = rid_obj
+            .cast::<PyString>()
+            .map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
         let rid_s = rid.to_str()?;
         let Some(slot) = self.table.slot_of(rid_s) else {
             return Ok(()); // output for an already-aborted request
@@ -235,7 +258,13 @@ impl OutputCore {
         cx: &Step<'_, 'py>,
         rid: &str,
     ) -> PyResult<()> {
-        let Step { ts, iteration_stats, weight_version, outs, aborts } = *cx;
+        let Step {
+            ts,
+            iteration_stats,
+            weight_version,
+            outs,
+            aborts,
+        } = *cx;
         self.fallback_steps += 1;
         let req = self.table.get(slot).unwrap();
         let r = self.helpers.fallback_step.bind(py).call1((
@@ -256,8 +285,19 @@ impl OutputCore {
             self.publish(py, req, out, outs)?;
         }
         if !fr_obj.is_none() && release {
-            let engine_finished = !self.eco.get(&self.eco.view(eco), F::FinishReason)?.is_none();
-            self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, eco, aborts)?;
+            let engine_finished = !self
+                .eco
+                .get(&self.eco.view(eco), F::FinishReason)?
+                .is_none();
+            self.finish(
+                py,
+                rid,
+                &fr_obj,
+                engine_finished,
+                iteration_stats,
+                eco,
+                aborts,
+            )?;
         }
         Ok(())
     }
@@ -271,18 +311,33 @@ impl OutputCore {
         rid: &str,
         fr_obj: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
-        let Step { ts, iteration_stats, weight_version, outs, aborts } = *cx;
+        let Step {
+            ts,
+            iteration_stats,
+            weight_version,
+            outs,
+            aborts,
+        } = *cx;
         let req = self.table.get(slot).unwrap();
         Self::sync_state(py, req)?;
         self.helpers.adopt(py, req)?;
         // The error output is built by vLLM-aware Python code (rare path); it
         // also runs the iteration-stats update for this output.
-        let out = self.helpers.error_output.bind(py).call1((req.state.bind(py), eco, ts, iteration_stats, weight_version, self.lora_states.bind(py)))?;
+        let out = self.helpers.error_output.bind(py).call1((
+            req.state.bind(py),
+            eco,
+            ts,
+            iteration_stats,
+            weight_version,
+            self.lora_states.bind(py),
+        ))?;
         let req = self.table.get(slot).unwrap();
         let parent = req.parent.as_ref().map(|p| p.clone_ref(py));
         if let Some(p) = &parent {
             // Take this child out of the parent before aborting its siblings.
-            p.bind(py).getattr(s!(py, "child_requests"))?.call_method1(s!(py, "discard"), (rid,))?;
+            p.bind(py)
+                .getattr(s!(py, "child_requests"))?
+                .call_method1(s!(py, "discard"), (rid,))?;
         }
         if let Some(p) = &parent {
             self.abort_siblings(py, p.bind(py), aborts)?;
@@ -302,7 +357,13 @@ impl OutputCore {
         cx: &Step<'_, 'py>,
         rid: &str,
     ) -> PyResult<()> {
-        let Step { ts, iteration_stats, weight_version, outs, aborts } = *cx;
+        let Step {
+            ts,
+            iteration_stats,
+            weight_version,
+            outs,
+            aborts,
+        } = *cx;
         let mut fr = finish_code(&fr_obj)?;
         self.fast_steps += 1;
         let er = &self.eco;
@@ -314,7 +375,11 @@ impl OutputCore {
         let engine_finished = fr.is_some();
         let prefill_stats = {
             let req = self.table.get(slot).unwrap();
-            if req.is_prefilling { Some(er.get(ev, F::PrefillStats)?) } else { None }
+            if req.is_prefilling {
+                Some(er.get(ev, F::PrefillStats)?)
+            } else {
+                None
+            }
         };
         let req = self.table.get_mut(slot).unwrap();
 
@@ -322,13 +387,21 @@ impl OutputCore {
         if !iteration_stats.is_none() {
             iteration_stats.call_method1(
                 s!(py, "update_from_output"),
-                (ev.obj(), ts, req.is_prefilling, req.stats.bind(py), self.lora_states.bind(py), req.lora_name.bind(py)),
+                (
+                    ev.obj(),
+                    ts,
+                    req.is_prefilling,
+                    req.stats.bind(py),
+                    self.lora_states.bind(py),
+                    req.lora_name.bind(py),
+                ),
             )?;
         }
         if let Some(ps) = prefill_stats {
             if !ps.is_none() {
                 req.num_cached_tokens = ps.getattr(s!(py, "num_cached_tokens"))?.unbind();
-                req.num_cache_creation_tokens = ps.getattr(s!(py, "num_cache_creation_tokens"))?.unbind();
+                req.num_cache_creation_tokens =
+                    ps.getattr(s!(py, "num_cache_creation_tokens"))?.unbind();
             }
             if let Some(r) = &req.remote_prefill_cached_tokens {
                 req.num_cached_tokens = r.clone_ref(py);
@@ -336,11 +409,19 @@ impl OutputCore {
             req.is_prefilling = false;
             if let Mode::Fast(f) = &req.mode {
                 let t = f.ro_template.bind(py);
-                t.set_item(self.cls.fields.num_cached_tokens.bind(py), req.num_cached_tokens.bind(py))?;
-                t.set_item(self.cls.fields.num_cache_creation_tokens.bind(py), req.num_cache_creation_tokens.bind(py))?;
+                t.set_item(
+                    self.cls.fields.num_cached_tokens.bind(py),
+                    req.num_cached_tokens.bind(py),
+                )?;
+                t.set_item(
+                    self.cls.fields.num_cache_creation_tokens.bind(py),
+                    req.num_cache_creation_tokens.bind(py),
+                )?;
             }
         }
-        let Mode::Fast(f) = &mut req.mode else { unreachable!() };
+        let Mode::Fast(f) = &mut req.mode else {
+            unreachable!()
+        };
         if !spec.is_none() {
             f.spec_decode_metrics = Some(spec.unbind());
         }
@@ -351,7 +432,8 @@ impl OutputCore {
                 Some((v, _)) => !v.bind(py).eq(weight_version)?,
             };
             if changed {
-                f.weight_starts.push((weight_version.clone().unbind(), f.n_out));
+                f.weight_starts
+                    .push((weight_version.clone().unbind(), f.n_out));
             }
         }
 
@@ -362,7 +444,8 @@ impl OutputCore {
                 let detok = detok.bind(py);
                 let stop = detok.call_method1(s!(py, "update"), (&new_ids, stop_terminated))?;
                 if stop.is_truthy()? {
-                    let n_now: usize = detok.call_method0(s!(py, "num_output_tokens"))?.extract()?;
+                    let n_now: usize =
+                        detok.call_method0(s!(py, "num_output_tokens"))?.extract()?;
                     (Some(stop), n_now)
                 } else {
                     (None, f.n_out + n_new)
@@ -371,7 +454,8 @@ impl OutputCore {
             Detok::Native(nd) => {
                 read_ids(&new_ids, &mut self.ids_buf)?;
                 let (st, ids) = (&mut nd.st, &self.ids_buf);
-                let stop = guarded("update", || st.update(ids, stop_terminated))?.map_err(detok_err)?;
+                let stop =
+                    guarded("update", || st.update(ids, stop_terminated))?.map_err(detok_err)?;
                 let n_now = nd.st.num_output_tokens();
                 if let Some(l) = &nd.ids {
                     let l = l.bind(py);
@@ -387,7 +471,9 @@ impl OutputCore {
         };
         if let Some(stop) = stop {
             fr = Some(self.cls.finish.stop);
-            fr_obj = self.cls.finish_objs[self.cls.finish.stop as usize].bind(py).clone();
+            fr_obj = self.cls.finish_objs[self.cls.finish.stop as usize]
+                .bind(py)
+                .clone();
             stop_reason = stop;
             let kept = n_now.saturating_sub(f.n_out);
             if n_new > kept {
@@ -401,34 +487,71 @@ impl OutputCore {
         let out = {
             let req = self.table.get_mut(slot).unwrap();
             let none = py.None().into_bound(py);
-            self.cls.make_fast_output(py, req, new_ids, fr, if fr.is_some() { stop_reason } else { none }, kv, ec)?
+            self.cls.make_fast_output(
+                py,
+                req,
+                new_ids,
+                fr,
+                if fr.is_some() { stop_reason } else { none },
+                kv,
+                ec,
+            )?
         };
         let req = self.table.get(slot).unwrap();
         if let Some(out) = out {
             self.publish(py, req, out, outs)?;
         }
         if fr.is_some() {
-            self.finish(py, rid, &fr_obj, engine_finished, iteration_stats, ev.obj(), aborts)?;
+            self.finish(
+                py,
+                rid,
+                &fr_obj,
+                engine_finished,
+                iteration_stats,
+                ev.obj(),
+                aborts,
+            )?;
         }
         Ok(())
     }
 
-    pub(super) fn abort_inner<'py>(&mut self, py: Python<'py>, ids: Vec<String>, internal: bool, result: &mut Vec<Py<PyString>>) -> PyResult<()> {
+    pub(super) fn abort_inner<'py>(
+        &mut self,
+        py: Python<'py>,
+        ids: Vec<String>,
+        internal: bool,
+        result: &mut Vec<Py<PyString>>,
+    ) -> PyResult<()> {
         let resolved = self.table.resolve_abort(&ids, internal);
         for id in resolved {
             if let Some(mut req) = self.table.pop_aborted(&id) {
-                self.lora_states.bind(py).call_method1(s!(py, "request_finished"), (req.id.bind(py), req.lora_name.bind(py)))?;
+                self.lora_states.bind(py).call_method1(
+                    s!(py, "request_finished"),
+                    (req.id.bind(py), req.lora_name.bind(py)),
+                )?;
                 result.push(req.id.clone_ref(py));
                 if req.queue.is_some() {
                     let out = match &req.mode {
                         Mode::Fallback => {
-                            let o = self.helpers.abort_output.bind(py).call1((req.state.bind(py),))?;
+                            let o = self
+                                .helpers
+                                .abort_output
+                                .bind(py)
+                                .call1((req.state.bind(py),))?;
                             (!o.is_none()).then_some(o)
                         }
                         Mode::Fast(_) => {
                             let none = py.None().into_bound(py);
                             let empty = PyList::empty(py).into_any();
-                            self.cls.make_fast_output(py, &mut req, empty, Some(self.cls.finish.abort), none.clone(), none.clone(), none)?
+                            self.cls.make_fast_output(
+                                py,
+                                &mut req,
+                                empty,
+                                Some(self.cls.finish.abort),
+                                none.clone(),
+                                none.clone(),
+                                none,
+                            )?
                         }
                     };
                     if let Some(out) = out {
@@ -438,7 +561,10 @@ impl OutputCore {
                 }
             } else if let Some(parent) = self.parents.get(&id).map(|p| p.clone_ref(py)) {
                 let children = parent.bind(py).getattr(s!(py, "child_requests"))?;
-                let kids: Vec<String> = children.try_iter()?.map(|c| c?.extract::<String>()).collect::<PyResult<_>>()?;
+                let kids: Vec<String> = children
+                    .try_iter()?
+                    .map(|c| c?.extract::<String>())
+                    .collect::<PyResult<_>>()?;
                 if !kids.is_empty() {
                     self.abort_inner(py, kids, true, result)?;
                 }

@@ -77,7 +77,10 @@ fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
 }
 
 fn out_of_range(what: &str, item: &Bound<'_, PyAny>) -> PyErr {
-    PyValueError::new_err(format!("{what}: token id {item} is outside 0..={}", u32::MAX))
+    PyValueError::new_err(format!(
+        "{what}: token id {item} is outside 0..={}",
+        u32::MAX
+    ))
 }
 
 /// A tokenizer definition loaded once; share it between requests.
@@ -91,15 +94,23 @@ impl PyVocab {
     /// From `tokenizer._tokenizer.to_str()` (the exact tokenizer vLLM decodes with).
     #[new]
     fn new(py: Python<'_>, json: &str) -> PyResult<Self> {
-        let vocab = py.detach(|| guard("NativeVocab()", || Vocab::from_json(json).map_err(to_py)))?;
-        Ok(PyVocab { inner: Arc::new(vocab) })
+        let vocab =
+            py.detach(|| guard("NativeVocab()", || Vocab::from_json(json).map_err(to_py)))?;
+        Ok(PyVocab {
+            inner: Arc::new(vocab),
+        })
     }
 
     #[staticmethod]
     fn from_file(py: Python<'_>, path: &str) -> PyResult<Self> {
-        let vocab =
-            py.detach(|| guard("NativeVocab.from_file", || Vocab::from_file(path).map_err(to_py)))?;
-        Ok(PyVocab { inner: Arc::new(vocab) })
+        let vocab = py.detach(|| {
+            guard("NativeVocab.from_file", || {
+                Vocab::from_file(path).map_err(to_py)
+            })
+        })?;
+        Ok(PyVocab {
+            inner: Arc::new(vocab),
+        })
     }
 
     /// Whether decoding uses the per-token table rather than `Tokenizer::decode`.
@@ -111,7 +122,9 @@ impl PyVocab {
     #[pyo3(signature = (ids, skip_special_tokens = false))]
     fn decode(&self, ids: &Bound<'_, PyAny>, skip_special_tokens: bool) -> PyResult<String> {
         let ids = token_ids(ids, "ids")?;
-        guard("NativeVocab.decode", || self.inner.decode(&ids, skip_special_tokens).map_err(to_py))
+        guard("NativeVocab.decode", || {
+            self.inner.decode(&ids, skip_special_tokens).map_err(to_py)
+        })
     }
 
     /// Table decode vs the tokenizers crate's decode; returns mismatches (empty = ok).
@@ -130,7 +143,9 @@ impl PyVocab {
         }
         py.detach(|| {
             guard("NativeVocab.self_check", || {
-                self.inner.self_check(n_random, max_len, seed).map_err(to_py)
+                self.inner
+                    .self_check(n_random, max_len, seed)
+                    .map_err(to_py)
             })
         })
     }
@@ -146,7 +161,11 @@ pub struct PyDetok {
 
 impl PyDetok {
     /// Runs `f` on the state; a panic breaks this detokenizer for good.
-    fn run<T>(&mut self, what: &str, f: impl FnOnce(&mut DetokState) -> PyResult<T>) -> PyResult<T> {
+    fn run<T>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&mut DetokState) -> PyResult<T>,
+    ) -> PyResult<T> {
         if self.broken {
             return Err(PyRuntimeError::new_err(format!(
                 "NativeDetokenizer.{what}: unusable after an earlier internal error"
@@ -194,17 +213,28 @@ impl PyDetok {
         let inner = guard("NativeDetokenizer()", || {
             Ok(DetokState::new(vocab.inner.clone(), &prompt, params))
         })?;
-        Ok(PyDetok { inner, broken: false })
+        Ok(PyDetok {
+            inner,
+            broken: false,
+        })
     }
 
     /// Returns the matched stop string, if any (output ids/text are truncated).
-    fn update(&mut self, new_token_ids: &Bound<'_, PyAny>, stop_terminated: bool) -> PyResult<Option<String>> {
+    fn update(
+        &mut self,
+        new_token_ids: &Bound<'_, PyAny>,
+        stop_terminated: bool,
+    ) -> PyResult<Option<String>> {
         let ids = token_ids(new_token_ids, "new_token_ids")?;
-        self.run("update", |st| st.update(&ids, stop_terminated).map_err(to_py))
+        self.run("update", |st| {
+            st.update(&ids, stop_terminated).map_err(to_py)
+        })
     }
 
     fn get_next_output_text(&mut self, finished: bool, delta: bool) -> PyResult<String> {
-        self.run("get_next_output_text", |st| Ok(st.output_text(finished, delta)))
+        self.run("get_next_output_text", |st| {
+            Ok(st.output_text(finished, delta))
+        })
     }
 
     fn num_output_tokens(&mut self) -> PyResult<usize> {
@@ -227,7 +257,10 @@ impl PyDetok {
 #[pyo3(signature = (stop = None))]
 fn native_detok_fallback_reason(stop: Option<Vec<String>>) -> PyResult<Option<&'static str>> {
     guard("native_detok_fallback_reason", || {
-        let params = DetokParams { stop: stop.unwrap_or_default(), ..Default::default() };
+        let params = DetokParams {
+            stop: stop.unwrap_or_default(),
+            ..Default::default()
+        };
         Ok(supports(&params).err().map(|r| r.label()))
     })
 }

@@ -18,7 +18,9 @@ fn spm_vocab() -> Arc<Vocab> {
     for b in 0..=255u32 {
         push(format!("<0x{b:02X}>"));
     }
-    for t in ["▁Hello", "▁world", "!", "▁", "▁wor", "ld", "é", "▁stop", "▁the", "x"] {
+    for t in [
+        "▁Hello", "▁world", "!", "▁", "▁wor", "ld", "é", "▁stop", "▁the", "x",
+    ] {
         push(t.into());
     }
     let n = vocab.len();
@@ -77,11 +79,17 @@ fn byte_level_vocab() -> Arc<Vocab> {
 }
 
 fn id(v: &Vocab, t: &str) -> u32 {
-    v.tokenizer().token_to_id(t).unwrap_or_else(|| panic!("no token {t}"))
+    v.tokenizer()
+        .token_to_id(t)
+        .unwrap_or_else(|| panic!("no token {t}"))
 }
 
 fn params(skip: bool) -> DetokParams {
-    DetokParams { skip_special_tokens: skip, spaces_between_special_tokens: true, ..Default::default() }
+    DetokParams {
+        skip_special_tokens: skip,
+        spaces_between_special_tokens: true,
+        ..Default::default()
+    }
 }
 
 /// Runs steps, returning each step's (delta text, stop string).
@@ -115,8 +123,10 @@ fn utf8_split_across_byte_fallback_tokens() {
     let b = |x: u8| id(&v, &format!("<0x{x:02X}>"));
     let mut st = DetokState::new(v.clone(), &[1], params(true));
     // "é" = C3 A9, "🦀" = F0 9F A6 80
-    let steps: Vec<Vec<u32>> =
-        [0xC3, 0xA9, 0xF0, 0x9F, 0xA6, 0x80].iter().map(|&x| vec![b(x)]).collect();
+    let steps: Vec<Vec<u32>> = [0xC3, 0xA9, 0xF0, 0x9F, 0xA6, 0x80]
+        .iter()
+        .map(|&x| vec![b(x)])
+        .collect();
     let deltas: Vec<String> = run(&mut st, &steps).into_iter().map(|d| d.0).collect();
     assert_eq!(deltas, ["", "é", "", "", "", "🦀"]);
     assert_eq!(st.text(), "é🦀");
@@ -128,7 +138,10 @@ fn utf8_split_across_byte_level_tokens() {
     let v = byte_level_vocab();
     // "é" = C3 A9 -> byte-level chars 'Ã' '©'
     let mut st = DetokState::new(v.clone(), &[id(&v, "Hello")], params(true));
-    let out = run(&mut st, &[vec![id(&v, "Ã")], vec![id(&v, "©")], vec![id(&v, "Ġworld")]]);
+    let out = run(
+        &mut st,
+        &[vec![id(&v, "Ã")], vec![id(&v, "©")], vec![id(&v, "Ġworld")]],
+    );
     let deltas: Vec<&str> = out.iter().map(|d| d.0.as_str()).collect();
     assert_eq!(deltas, ["", "é", " world"]);
 }
@@ -136,16 +149,27 @@ fn utf8_split_across_byte_level_tokens() {
 #[test]
 fn stop_string_in_the_middle_of_a_multi_token_step() {
     let v = spm_vocab();
-    let p = DetokParams { stop: vec!["wor".into()], ..params(true) };
+    let p = DetokParams {
+        stop: vec!["wor".into()],
+        ..params(true)
+    };
     let mut st = DetokState::new(v.clone(), &[1], p.clone());
-    let step = vec![id(&v, "▁Hello"), id(&v, "▁world"), id(&v, "!"), id(&v, "▁the")];
+    let step = vec![
+        id(&v, "▁Hello"),
+        id(&v, "▁world"),
+        id(&v, "!"),
+        id(&v, "▁the"),
+    ];
     let stop = st.update(&step, false).unwrap();
     assert_eq!(stop.as_deref(), Some("wor"));
     // Tokens after the one completing "wor" are dropped; text ends before the stop.
     assert_eq!(st.output_token_ids(), &step[..2]);
     assert_eq!(st.output_text(true, false), "Hello ");
 
-    let p = DetokParams { include_stop_str_in_output: true, ..p };
+    let p = DetokParams {
+        include_stop_str_in_output: true,
+        ..p
+    };
     let mut st = DetokState::new(v.clone(), &[1], p);
     let stop = st.update(&step, false).unwrap();
     assert_eq!(stop.as_deref(), Some("wor"));
@@ -156,12 +180,17 @@ fn stop_string_in_the_middle_of_a_multi_token_step() {
 #[test]
 fn earliest_completing_stop_wins_and_buffer_holds_back_text() {
     let v = spm_vocab();
-    let p = DetokParams { stop: vec!["the".into(), "world".into()], ..params(true) };
+    let p = DetokParams {
+        stop: vec!["the".into(), "world".into()],
+        ..params(true)
+    };
     let mut st = DetokState::new(v.clone(), &[1], p);
     assert_eq!(st.update(&[id(&v, "▁Hello")], false).unwrap(), None);
     // buffer = max(len) - 1 = 4 chars held back from "Hello"
     assert_eq!(st.output_text(false, true), "H");
-    let stop = st.update(&[id(&v, "▁world"), id(&v, "▁the")], false).unwrap();
+    let stop = st
+        .update(&[id(&v, "▁world"), id(&v, "▁the")], false)
+        .unwrap();
     assert_eq!(stop.as_deref(), Some("world"));
     assert_eq!(st.output_text(true, true), "ello ");
 }
@@ -169,11 +198,19 @@ fn earliest_completing_stop_wins_and_buffer_holds_back_text() {
 #[test]
 fn min_tokens_defers_stop_checks() {
     let v = spm_vocab();
-    let p = DetokParams { stop: vec!["Hello".into()], min_tokens: 2, ..params(true) };
+    let p = DetokParams {
+        stop: vec!["Hello".into()],
+        min_tokens: 2,
+        ..params(true)
+    };
     let mut st = DetokState::new(v.clone(), &[1], p);
     assert_eq!(st.update(&[id(&v, "▁Hello")], false).unwrap(), None);
     // The check resumes on text after token #2, so the earlier "Hello" no longer counts.
-    assert_eq!(st.update(&[id(&v, "▁world"), id(&v, "▁Hello")], false).unwrap(), Some("Hello".into()));
+    assert_eq!(
+        st.update(&[id(&v, "▁world"), id(&v, "▁Hello")], false)
+            .unwrap(),
+        Some("Hello".into())
+    );
     assert_eq!(st.output_text(true, false), "Hello world ");
 }
 
@@ -185,7 +222,10 @@ fn stop_terminated_token_is_counted_but_not_detokenized() {
     assert_eq!(st.output_token_ids(), &[id(&v, "▁Hello"), 2]);
     // skip_special_tokens=false: the prompt decodes to "<s>", so the space stays.
     assert_eq!(st.output_text(true, false), " Hello");
-    let p = DetokParams { include_stop_str_in_output: true, ..params(false) };
+    let p = DetokParams {
+        include_stop_str_in_output: true,
+        ..params(false)
+    };
     let mut st = DetokState::new(v.clone(), &[1], p);
     st.update(&[id(&v, "▁Hello"), 2], true).unwrap();
     assert_eq!(st.output_text(true, false), " Hello</s>");
@@ -196,13 +236,18 @@ fn no_spaces_between_consecutive_added_tokens() {
     let v = spm_vocab();
     let img = id(&v, "<image>");
     let tool = id(&v, "<tool>");
-    let p = DetokParams { spaces_between_special_tokens: false, ..params(false) };
+    let p = DetokParams {
+        spaces_between_special_tokens: false,
+        ..params(false)
+    };
     let mut st = DetokState::new(v.clone(), &[1], p.clone());
-    st.update(&[img, tool, id(&v, "▁Hello"), img], false).unwrap();
+    st.update(&[img, tool, id(&v, "▁Hello"), img], false)
+        .unwrap();
     // The second of two consecutive added tokens is emitted as its raw content.
     let with = {
         let mut s = DetokState::new(v.clone(), &[1], params(false));
-        s.update(&[img, tool, id(&v, "▁Hello"), img], false).unwrap();
+        s.update(&[img, tool, id(&v, "▁Hello"), img], false)
+            .unwrap();
         s.text().to_owned()
     };
     assert_eq!(st.text(), "<image><tool> Hello<image>");
@@ -211,7 +256,8 @@ fn no_spaces_between_consecutive_added_tokens() {
     // Visible when an added token's decoding differs from its content (▁ -> space).
     let xy = id(&v, "<x▁y>");
     let mut st = DetokState::new(v.clone(), &[1], p.clone());
-    st.update(&[xy, img, xy, id(&v, "▁Hello"), xy], false).unwrap();
+    st.update(&[xy, img, xy, id(&v, "▁Hello"), xy], false)
+        .unwrap();
     assert_eq!(st.text(), "<x y><image><x▁y> Hello<x y>");
     let mut st = DetokState::new(v.clone(), &[1], params(false));
     st.update(&[xy, img, xy], false).unwrap();
@@ -225,9 +271,18 @@ fn stop_strings_count_code_points() {
     let stop = vec!["é🦀".to_string()];
     let chars = vec![2];
     // new text = last 3 chars "bé🦀": the earlier "é🦀" is outside the search window.
-    assert_eq!(check_stop_strings(text, n, 3, &stop, &chars, false), Some((0, Some(4))));
-    assert_eq!(check_stop_strings(text, n, 3, &stop, &chars, true), Some((0, None)));
-    assert_eq!(check_stop_strings(text, n, 5, &stop, &chars, true), Some((0, Some(3))));
+    assert_eq!(
+        check_stop_strings(text, n, 3, &stop, &chars, false),
+        Some((0, Some(4)))
+    );
+    assert_eq!(
+        check_stop_strings(text, n, 3, &stop, &chars, true),
+        Some((0, None))
+    );
+    assert_eq!(
+        check_stop_strings(text, n, 5, &stop, &chars, true),
+        Some((0, Some(3)))
+    );
     assert_eq!(char_to_byte(text, n, 3), "aé🦀".len());
 }
 
@@ -239,20 +294,38 @@ fn differential(v: &Arc<Vocab>, seqs: &[(Vec<u32>, Vec<u32>)]) {
             let (mut ids, mut prefix, mut pi) = (prompt.clone(), String::new(), 0usize);
             let mut text = String::new();
             for &t in gen {
-                let r = step_decode_stream(v.tokenizer(), vec![t], skip, &mut ids, &mut prefix, &mut pi);
+                let r = step_decode_stream(
+                    v.tokenizer(),
+                    vec![t],
+                    skip,
+                    &mut ids,
+                    &mut prefix,
+                    &mut pi,
+                );
                 let expected = match r {
                     Ok(s) => s.unwrap_or_default(),
                     Err(e) if e.to_string().starts_with(INVALID_PREFIX_ERR_MSG) => {
                         (ids, prefix, pi) = (vec![], String::new(), 0);
-                        step_decode_stream(v.tokenizer(), vec![t], skip, &mut ids, &mut prefix, &mut pi)
-                            .unwrap()
-                            .unwrap_or_default()
+                        step_decode_stream(
+                            v.tokenizer(),
+                            vec![t],
+                            skip,
+                            &mut ids,
+                            &mut prefix,
+                            &mut pi,
+                        )
+                        .unwrap()
+                        .unwrap_or_default()
                     }
                     Err(e) => panic!("{e}"),
                 };
                 text.push_str(&expected);
                 st.update(&[t], false).unwrap();
-                assert_eq!(st.output_text(false, true), expected, "prompt {prompt:?} gen {gen:?}");
+                assert_eq!(
+                    st.output_text(false, true),
+                    expected,
+                    "prompt {prompt:?} gen {gen:?}"
+                );
             }
             assert_eq!(st.text(), text);
         }
@@ -312,7 +385,10 @@ fn real_vocabularies_match_the_crate() {
     // `make test-rust` builds both vocabularies first and sets this, so the test
     // cannot pass vacuously there; a bare `cargo test` just checks what exists.
     if std::env::var("VLLM_MMRETRY_REQUIRE_VOCABS").as_deref() == Ok("1") {
-        assert!(files.len() >= 2, "expected the tiny-llava and Tekken vocabularies, found {files:?}");
+        assert!(
+            files.len() >= 2,
+            "expected the tiny-llava and Tekken vocabularies, found {files:?}"
+        );
     }
     for f in files {
         let v = Arc::new(Vocab::from_file(f.to_str().unwrap()).unwrap());
