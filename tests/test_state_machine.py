@@ -40,7 +40,6 @@ from vllm_mmretry import OutputProcessor
 MISS_CODE = "multimodal_cache_miss"
 WORDS = [" the", " zebra", " dog", " runs", "\n", " café", " 東京", ".", " a", " zeb", "ra"]
 STOPS = ["zebra", "dog", "\n\n", "a z"]
-_ERROR_FIELD = 14  # position of (code, retryable) in output_processor_support.norm()
 
 
 def _shared(n: Any) -> Any:
@@ -48,8 +47,14 @@ def _shared(n: Any) -> Any:
     Also reads an empty `weight_versions` as None: on a miss without tokens stock
     gives [] and ours None (a known core difference, pinned by
     test_known_core_differences_on_a_miss)."""
-    outputs = [c[:11] + ((c[11] or None),) for c in n[_ERROR_FIELD + 1]]
-    return n[:_ERROR_FIELD] + (outputs,) + n[_ERROR_FIELD + 2:]
+    name, fields = n
+
+    def completion(c: Any) -> Any:
+        cname, cfields = c
+        return cname, tuple((k, (v or None) if k == "weight_versions" else v) for k, v in cfields)
+
+    return name, tuple((k, [completion(c) for c in v] if k == "outputs" else v)
+                       for k, v in fields if k != "error")
 
 
 class OutputProcessorMachine(RuleBasedStateMachine):
@@ -212,14 +217,13 @@ class OutputProcessorMachine(RuleBasedStateMachine):
         if not hasattr(self, "ours"):
             return
         assert self._tracked(self.ours) == self._tracked(self.stock) == self.engine
-        # A parent is tracked while one of its children is. Stock keeps a parent
-        # whose children were aborted by their own or the external id; ours keeps
-        # it only for the external id, as stock (pinned by
-        # test_known_core_gap_parent_kept_after_external_abort).
+        # A parent is tracked exactly while one of its children is. Stock keeps a
+        # parent whose children were aborted by their own or the external id (a
+        # leak); ours drops it (pinned by test_parent_dropped_after_external_abort).
         live_parents = {self.parent_of[c] for c in self.engine
                         if len(self.children[self.parent_of[c]]) > 1}
         ours_parents = set(self.ours.op.parent_requests)
-        assert live_parents <= ours_parents <= live_parents | self.external_aborted
+        assert ours_parents == live_parents
         assert ours_parents <= set(self.stock.op.parent_requests)
         assert self.ours.op.get_num_unfinished_requests() == len(self.engine)
 
@@ -236,7 +240,7 @@ class OutputProcessorMachine(RuleBasedStateMachine):
             self._drain()
         assert self.terminal == set(self.children), set(self.children) - self.terminal
         assert not self._tracked(self.ours) and not self._tracked(self.stock)
-        assert set(self.ours.op.parent_requests) <= self.external_aborted
+        assert not self.ours.op.parent_requests
         assert not self.ours.op.has_unfinished_requests()
 
 
@@ -269,10 +273,7 @@ def test_known_core_differences_on_a_miss(tiny_tokenizer: Any) -> None:
     assert reqs_to_abort == [ids[2]] and weight_versions[0] == weight_versions[1]
 
 
-@pytest.mark.xfail(strict=True, reason="core.rs (not in this branch), as stock vLLM 0.32: "
-                   "aborting an n>1 request's children by external id leaves its "
-                   "ParentRequest in the parent table (a leak per such abort)")
-def test_known_core_gap_parent_kept_after_external_abort(tiny_tokenizer: Any) -> None:
+def test_parent_dropped_after_external_abort(tiny_tokenizer: Any) -> None:
     ours = Side(OutputProcessor(tiny_tokenizer, log_stats=False), True)
     ours.add(ReqSpec("r", "e", [1, 2], n=2))
     assert sorted(ours.op.abort_requests(["e"], internal=False)) == ["0_r", "1_r"]

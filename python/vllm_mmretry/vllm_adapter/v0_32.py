@@ -245,6 +245,8 @@ def _error_output(
     detok = req_state.detokenizer
     assert detok is not None and req_state.logprobs_processor is not None
     if eco.new_token_ids:
+        if weight_version is not None:
+            req_state.track_weight_version(weight_version)
         detok.update(eco.new_token_ids, False)
     delta = req_state.output_kind == RequestOutputKind.DELTA
     text = detok.get_next_output_text(True, delta)
@@ -260,6 +262,8 @@ def _error_output(
         logprobs=None,
         finish_reason=str(FinishReason.ERROR),
         stop_reason=None,
+        # As stock's terminal outputs: the weight versions the tokens came from.
+        weight_versions=req_state._weight_version_spans(),
     )
     parent = req_state.parent_req
     out = RequestOutput(

@@ -515,6 +515,19 @@ impl OutputCore {
         Ok(())
     }
 
+    /// Drop the parent of an aborted child once it has no child left (its last
+    /// sibling may have finished earlier): stock keeps such a parent forever.
+    fn forget_parent_if_done(&mut self, py: Python<'_>, req: &Req) -> PyResult<()> {
+        if let Some(parent) = &req.parent {
+            let p = parent.bind(py);
+            if p.getattr(s!(py, "child_requests"))?.len()? == 0 {
+                let pid: String = p.getattr(s!(py, "request_id"))?.extract()?;
+                self.parents.remove(&pid);
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn abort_inner<'py>(
         &mut self,
         py: Python<'py>,
@@ -559,6 +572,7 @@ impl OutputCore {
                         self.put(py, q, &out)?;
                     }
                 }
+                self.forget_parent_if_done(py, &req)?;
             } else if let Some(parent) = self.parents.get(&id).map(|p| p.clone_ref(py)) {
                 let children = parent.bind(py).getattr(s!(py, "child_requests"))?;
                 let kids: Vec<String> = children
