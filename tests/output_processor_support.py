@@ -177,7 +177,9 @@ def _norm_field(key: str, v: Any) -> Any:
     if key == "error":
         return (type(v).__name__, v.code, v.retryable)
     if key == "outputs":
-        return [_norm_vars(c) for c in v]
+        # None: a FINAL_ONLY parent's slot of a child that finished without output
+        # (e.g. rejected by the engine on 0.33), as vLLM's ParentRequest leaves it.
+        return [None if c is None else _norm_vars(c) for c in v]
     if key in ("prompt_token_ids", "token_ids"):
         return list(v)
     if isinstance(v, np.ndarray) or hasattr(v, "tolist"):
