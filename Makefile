@@ -74,8 +74,10 @@ bench: setup bench-rust bench-py
 bench-rust: vocabs
 	cargo bench --bench core
 
-bench-py: setup
+# Rows for vLLM 0.32 (.venv) and vLLM 0.33 (.venv-033), stock vs ours in each.
+bench-py: setup setup-033
 	$(VPY) benches/bench_output_loop.py
+	$(VPY033) benches/bench_output_loop.py
 
 # Soak with random P1 misses (tests/e2e/test_soak.py): N requests after a warm-up,
 # figures in .cache/soak-report.json. `make soak N=2000` for a long run by hand.

@@ -42,6 +42,10 @@ def tiny_tokenizer(tiny_model_path: str):
 REAL_ENGINE = (
     "tests/e2e/",
     "tests/test_offline_llm.py",
+    # In-process API server over vLLM's real engine (tests/retry_support.py); on 0.33
+    # the serving retry is shown over HTTP by tests/e2e_033 (mock engine).
+    "tests/test_retry_generate.py",
+    "tests/test_retry_pooling.py",
     "tests/test_plugin.py::test_plugin_active_in_api_server_and_engine_core_of_a_running_server",
 )
 # Tests whose subject is the plugin at work inside the installed vLLM (its output

@@ -17,6 +17,8 @@ from vllm.v1.engine.output_processor import RequestOutputCollector
 from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.outputs import LogprobsLists
 
+from vllm_mmretry.vllm_adapter import adapter
+
 
 @dataclass
 class ReqSpec:
@@ -96,7 +98,10 @@ class Side:
     def drain(self) -> dict[str, Any]:
         out = {}
         for rid, q in self.collectors.items():
-            o = q.get_nowait()
+            try:
+                o = q.get_nowait()
+            except Exception as e:  # noqa: BLE001 - what generate() would raise
+                o = e
             if o is not None:
                 out[rid] = o
         return out
@@ -113,6 +118,30 @@ def add_to_both(stock: Side, ours: Side, specs: list[ReqSpec]) -> tuple[list[str
         live += ids
         logprobs_of.update({cid: spec.logprobs for cid in ids})
     return live, logprobs_of
+
+
+def _engine_errors() -> list[Any]:
+    """The errors the running vLLM's engine puts on `EngineCoreOutput.error`
+    (none where the field does not exist, e.g. 0.32)."""
+    if "error" not in adapter().ECO_STRUCT_FIELDS:
+        return []
+    from vllm.outputs import RequestError
+
+    return [RequestError(code="engine_paused", message="Engine is paused.", retryable=True),
+            RequestError(code="validation_error", message="bad request", retryable=False)]
+
+
+ENGINE_ERRORS = _engine_errors()
+
+
+def error_kw(err: Any) -> dict[str, Any]:
+    """`EngineCoreOutput` keyword for an engine error (nothing when None)."""
+    return {} if err is None else {"error": err}
+
+
+def streaming_input_collector(kind: RequestOutputKind, request_id: str) -> RequestOutputCollector:
+    """The collector the running vLLM's AsyncLLM gives a streaming-input request."""
+    return adapter().streaming_input_collector()(kind, request_id)
 
 
 def eco(rid: str, tokens: list[int], finish: FinishReason | None = None, stop_reason: Any = None,
@@ -148,7 +177,9 @@ def _norm_field(key: str, v: Any) -> Any:
     if key == "error":
         return (type(v).__name__, v.code, v.retryable)
     if key == "outputs":
-        return [_norm_vars(c) for c in v]
+        # None: a FINAL_ONLY parent's slot of a child that finished without output
+        # (e.g. rejected by the engine on 0.33), as vLLM's ParentRequest leaves it.
+        return [None if c is None else _norm_vars(c) for c in v]
     if key in ("prompt_token_ids", "token_ids"):
         return list(v)
     if isinstance(v, np.ndarray) or hasattr(v, "tolist"):

@@ -17,10 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from output_processor_support import (
+    ENGINE_ERRORS,
     ReqSpec,
     Side,
     add_to_both,
     eco,
+    error_kw,
     new_iteration_stats,
     norm,
     norm_iteration_stats,
@@ -159,13 +161,17 @@ def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[i
                 stop_reason = toks[-1] if (fin == FinishReason.STOP and toks and data.draw(st.booleans())) else None
                 if fin is not None and not toks and fin != FinishReason.ABORT:
                     toks = [vocab[0]]
-                plan.append((rid, toks, fin, stop_reason))
+                err = data.draw(st.sampled_from([None] * 8 + ENGINE_ERRORS)) if ENGINE_ERRORS else None
+                if err is not None:  # rejected by the engine (e.g. paused): nothing ran
+                    toks, fin, stop_reason = [], FinishReason.ERROR, None
+                plan.append((rid, toks, fin, stop_reason, err))
             # Sometimes an output for a request the processor no longer tracks.
             if data.draw(st.booleans()):
-                plan.append(("gone", [vocab[0]], None, None))
+                plan.append(("gone", [vocab[0]], None, None, None))
 
             def build() -> list:
-                return [eco(r, t, f, s, logprobs=logprobs_of.get(r)) for r, t, f, s in plan]
+                return [eco(r, t, f, s, logprobs=logprobs_of.get(r), **error_kw(e))
+                        for r, t, f, s, e in plan]
 
             its_a = new_iteration_stats() if log_stats else None
             its_b = new_iteration_stats() if log_stats else None
@@ -174,7 +180,7 @@ def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[i
             assert [norm(o) for o in outs_b] == [norm(o) for o in outs_a]
             assert abort_b == abort_a
             assert norm_iteration_stats(its_b) == norm_iteration_stats(its_a)
-            done = set(abort_a) | {r for r, _, f, _ in plan if f is not None}
+            done = set(abort_a) | {r for r, _, f, _, _ in plan if f is not None}
             live = [x for x in live if x not in done]
         if data.draw(st.booleans(), label="drain"):
             compare_collectors()

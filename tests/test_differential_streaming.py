@@ -23,20 +23,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from output_processor_support import (
+    ENGINE_ERRORS,
     ReqSpec,
     Side,
     add_to_both,
     eco,
     engine_request,
+    error_kw,
     new_iteration_stats,
     norm,
     norm_iteration_stats,
+    streaming_input_collector,
 )
 from vllm.outputs import STREAM_FINISHED, WeightVersionSpan
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP
-from vllm.v1.engine.output_processor import RequestOutputCollector
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
 
@@ -132,7 +134,7 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
     def add_both(req_of: Any, prompt: str | None, spec: ReqSpec) -> None:
         for side in (stock, ours):
             if spec.request_id not in side.collectors and side.async_mode:
-                side.collectors[spec.request_id] = RequestOutputCollector(spec.kind, spec.request_id)
+                side.collectors[spec.request_id] = streaming_input_collector(spec.kind, spec.request_id)
             side.op.add_request(req_of(), prompt, None, 0, side.collectors.get(spec.request_id))
 
     for spec in plain:
@@ -183,12 +185,17 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
                 k = data.draw(st.integers(0, 4))
                 toks = [stream[(cursor[rid] + j) % len(stream)] for j in range(k)]
                 cursor[rid] += k
-                # A session's sub-request ends with STOP/LENGTH (engine aborts send nothing).
+                # A session's sub-request ends with STOP/LENGTH, or ERROR (engine aborts
+                # send nothing); vLLM 0.33 ends the session on ERROR, 0.32 does not.
                 fin = data.draw(st.sampled_from(
-                    SUB_FINISH[2:] if rid == ending else SUB_FINISH + ([] if rid in running else [FinishReason.ABORT])))
+                    SUB_FINISH[2:] + [FinishReason.ERROR] if rid == ending
+                    else SUB_FINISH + ([] if rid in running else [FinishReason.ABORT])))
                 if fin is not None and fin != FinishReason.ABORT and not toks:
                     toks = [vocab[0]]
-                plan.append((rid, toks, fin))
+                err = data.draw(st.sampled_from([None] * 6 + ENGINE_ERRORS)) if ENGINE_ERRORS else None
+                if err is not None:  # rejected by the engine (e.g. paused): nothing ran
+                    toks, fin = [], FinishReason.ERROR
+                plan.append((rid, toks, fin, err))
                 if fin is None:
                     continue
                 if rid in running and not (closed[rid] and pending[rid] == 0):
@@ -200,11 +207,12 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
                 else:
                     gone.add(rid)
             if data.draw(st.booleans()):
-                plan.append(("unknown", [vocab[0]], None))
+                plan.append(("unknown", [vocab[0]], None, None))
             spec_of = {s.request_id: s for s in specs + plain}
 
             def build() -> list:
-                return [eco(r, t, f, logprobs=spec_of[r].logprobs if r in spec_of else None) for r, t, f in plan]
+                return [eco(r, t, f, logprobs=spec_of[r].logprobs if r in spec_of else None,
+                            **error_kw(e)) for r, t, f, e in plan]
 
             wv = data.draw(st.sampled_from(VERSIONS), label="weight_version")
             its_a = new_iteration_stats() if log_stats else None
@@ -214,6 +222,8 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
             assert [norm(o) for o in outs_b] == [norm(o) for o in outs_a]
             assert abort_b == abort_a
             assert norm_iteration_stats(its_b) == norm_iteration_stats(its_a)
+            # Sessions the processor ended (ERROR on 0.33, rejected by the engine).
+            gone |= {r for r in running if not stock.op.has_request(r)}
         assert peek(ours) == peek(stock)
         if data.draw(st.booleans(), label="drain"):
             assert drain(ours) == drain(stock)

@@ -15,6 +15,8 @@ import pytest
 
 import servers  # tools/, put on sys.path by conftest
 
+from vllm_mmretry import vllm_adapter
+
 PY = sys.executable
 
 
@@ -61,8 +63,18 @@ def test_disabled_leaves_vllm_untouched() -> None:
                  "llm_engine_op": "vllm.v1.engine.output_processor"}
 
 
-def test_unsupported_vllm_version_leaves_vllm_untouched() -> None:
-    r = _run(PROBE.format(setup="import vllm; vllm.__version__ = '0.31.9'"))
+@pytest.mark.parametrize("version, supported", [
+    ("0.32.0", True), ("0.33.0", True), ("0.31.9", False), ("0.32.1", False),
+    ("0.33.1", False), ("0.34.0", False), ("", False), (None, False),
+])
+def test_version_gate_accepts_exactly_0_32_0_and_0_33_0(version: str | None, supported: bool) -> None:
+    assert vllm_adapter.is_supported(version) is supported
+    assert vllm_adapter.SUPPORTED_VLLM_VERSIONS == {"0.32.0", "0.33.0"}
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.34.0"])
+def test_unsupported_vllm_version_leaves_vllm_untouched(version: str) -> None:
+    r = _run(PROBE.format(setup=f"import vllm; vllm.__version__ = '{version}'"))
     assert r == {"state": [], "originals": 0, "async_llm_op": "vllm.v1.engine.output_processor",
                  "llm_engine_op": "vllm.v1.engine.output_processor"}
 

@@ -124,7 +124,8 @@ class OutputProcessor:
                            "vLLM's own code runs instead: %s", _PART_NAMES[part], why)
         if self._check.detok is not None:
             vocab, self._detok_reason = None, "self_check"
-        self._core = _core.OutputCore(_vllm.core_spec(self.lora_states, tracing_enabled, self._check))
+        self._spec = _vllm.core_spec(self.lora_states, tracing_enabled, self._check)
+        self._core = _core.OutputCore(self._spec)
         self._core.native_vocab = vocab
         _metrics.track(self)  # vllm-mmretry metrics hook: publishes counters(), off the step path
 
@@ -221,9 +222,9 @@ class OutputProcessor:
         iteration_stats: Any = None,
         weight_version: str | None = None,
     ) -> Any:
-        request_outputs, reqs_to_abort = self._core.process(
-            engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version
-        )
+        request_outputs, reqs_to_abort = _vllm.process_outputs(
+            self._core, self._spec, engine_core_outputs, engine_core_timestamp,
+            iteration_stats, weight_version)
         if self.admission_stats is not None:
             self._update_admission_stats()
         return _vllm.processor_output(request_outputs, reqs_to_abort)

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 TOOLS = pathlib.Path(__file__).resolve().parents[2] / "tools"
 E2E = pathlib.Path(__file__).resolve().parents[1] / "e2e"
@@ -45,11 +44,10 @@ def installed_vllm_version() -> str | None:
 
 
 def requires_plugin_on_this_vllm() -> None:
-    """Skip while the installed plugin leaves this vLLM unpatched (no 0.33 adapter yet):
-    the moment it supports vLLM 0.33 these tests run."""
-    if not mock_serve.servers.plugin_patches_installed_vllm():
-        pytest.skip(f"the installed vllm_mmretry reports vLLM {installed_vllm_version()} "
-                    "unsupported (register() patches nothing): no 0.33 adapter yet")
+    """The plugin supports vLLM 0.33 (`vllm_adapter.v0_33`): these tests fail, not
+    skip, if the installed plugin leaves it unpatched."""
+    assert mock_serve.servers.plugin_patches_installed_vllm(), (
+        f"the installed vllm_mmretry patches nothing on vLLM {installed_vllm_version()}")
 
 
 def serve(model: str, env: dict[str, str]) -> Iterator[mock_serve.MockServed]:

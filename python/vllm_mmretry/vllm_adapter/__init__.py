@@ -23,6 +23,7 @@ from vllm_mmretry.vllm_adapter.base import VllmAdapter
 # Supported vLLM release (major.minor.patch, no local suffix) -> its module here.
 VERSION_MODULES: dict[str, str] = {
     "0.32.0": "v0_32",
+    "0.33.0": "v0_33",
 }
 SUPPORTED_VLLM_VERSIONS: frozenset[str] = frozenset(VERSION_MODULES)
 

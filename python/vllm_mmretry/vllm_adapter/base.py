@@ -92,6 +92,8 @@ class CoreSpec:
     lora_states: Any
     # Self-check results: False turns the part off (getattr reads / vLLM's outputs).
     eco_offsets: bool = True
+    # Per-processor state of the version's Python step code (not read by Rust).
+    step_state: Any = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class VllmAdapter(abc.ABC):
     `new_request_state`, `fallback_reason`, `fast_spec`, `native_vocab`,
     `update_streaming_request`, `processor_output`, `new_lora_states`,
     `is_engine_core_request`, `is_parent_request`, `output_processor_patches`,
+    `process_outputs`, `streaming_input_collector`,
     `engine_classes`, `engine_renderer`, `ensure_request_output_error`, `miss_error`.
     Serving retry (retry.py): `retry_seams` and the render / pooling / error helpers.
     Fault switch (faults.py): `lru_receiver_cache`, `mm_cache_type_lookup`.
@@ -187,6 +190,14 @@ class VllmAdapter(abc.ABC):
     @abc.abstractmethod
     def update_streaming_request(self, core: Any, request_id: str, request: Any,
                                  prompt: str | None) -> bool: ...
+
+    @abc.abstractmethod
+    def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,
+                        engine_core_timestamp: float | None, iteration_stats: Any,
+                        weight_version: str | None) -> tuple[list[Any], list[Any]]: ...
+
+    @abc.abstractmethod
+    def streaming_input_collector(self) -> type: ...
 
     @abc.abstractmethod
     def processor_output(self, request_outputs: list[Any], reqs_to_abort: list[str]) -> Any: ...

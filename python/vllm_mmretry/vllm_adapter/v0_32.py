@@ -449,13 +449,14 @@ def check_outputs() -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     return why, base_ro, base_co
 
 
-def check_engine_core_output() -> str | None:
+def check_engine_core_output(expected: tuple[str, ...] = ECO_STRUCT_FIELDS,
+                             version: str = "0.32.0") -> str | None:
     """The field list the slot reader relies on, vs EngineCoreOutput's."""
     fields = tuple(getattr(EngineCoreOutput, "__struct_fields__", ()))
-    if fields != ECO_STRUCT_FIELDS:
-        added = [f for f in fields if f not in ECO_STRUCT_FIELDS]
-        gone = [f for f in ECO_STRUCT_FIELDS if f not in fields]
-        return (f"EngineCoreOutput fields differ from vLLM {Adapter.version}'s: "
+    if fields != expected:
+        added = [f for f in fields if f not in expected]
+        gone = [f for f in expected if f not in fields]
+        return (f"EngineCoreOutput fields differ from vLLM {version}'s: "
                 f"added {added}, removed {gone}" + ("" if added or gone else ", reordered"))
     return None
 
@@ -521,6 +522,7 @@ class Adapter(VllmAdapter):
     """vLLM 0.32.x."""
 
     version = "0.32.0"
+    ECO_STRUCT_FIELDS = ECO_STRUCT_FIELDS
     RetrySeams = RetrySeams
     MISS_CODE = MISS_CODE
 
@@ -529,7 +531,7 @@ class Adapter(VllmAdapter):
         why, ro_base, co_base = check_outputs()
         return SelfCheck(
             outputs=why or check_finish_reasons(),
-            eco_offsets=check_engine_core_output(),
+            eco_offsets=check_engine_core_output(self.ECO_STRUCT_FIELDS, self.version),
             detok=None if vocab is None else _check_vocab(vocab),
             ro_base=ro_base, co_base=co_base,
         )
@@ -549,14 +551,30 @@ class Adapter(VllmAdapter):
             finish_error=int(FinishReason.ERROR),
             eco_fields=ECO_FIELDS,
             output_fields=OUTPUT_FIELDS,
-            helpers=CoreHelpers(
-                fallback_step=_fallback_step, abort_output=_abort_output,
-                error_output=_error_output, finished_stats=_finished_stats_fn(tracing_enabled),
-                adopt_native=_adopt_native,
-            ),
+            helpers=self.core_helpers(tracing_enabled),
             lora_states=lora_states,
             eco_offsets=check.eco_offsets is None,
         )
+
+    def core_helpers(self, tracing_enabled: bool) -> CoreHelpers:
+        """The Python code the core calls for rare per-request paths (one set per
+        output processor)."""
+        return CoreHelpers(
+            fallback_step=_fallback_step, abort_output=_abort_output,
+            error_output=_error_output, finished_stats=_finished_stats_fn(tracing_enabled),
+            adopt_native=_adopt_native,
+        )
+
+    def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,
+                        engine_core_timestamp: float | None, iteration_stats: Any,
+                        weight_version: str | None) -> tuple[list[Any], list[Any]]:
+        """One `process_outputs` step: (request_outputs, reqs_to_abort)."""
+        return core.process(engine_core_outputs, engine_core_timestamp, iteration_stats,
+                            weight_version)
+
+    def streaming_input_collector(self) -> type:
+        """The collector AsyncLLM gives a streaming-input request."""
+        return RequestOutputCollector
 
     def new_request_state(self, tokenizer: Any, request: Any, prompt: str | None, parent_req: Any,
                           request_index: int, queue: Any, log_stats: bool,
