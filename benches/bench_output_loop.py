@@ -15,10 +15,10 @@ Usage: python benches/bench_output_loop.py [--quick] [--tokenizer DIR] [--python
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import gc
+import json
 import os
+import pathlib
 import random
 import statistics
 import sys
@@ -30,18 +30,20 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from vllm.tokenizers import get_tokenizer  # noqa: E402
+from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest  # noqa: E402
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP  # noqa: E402
 from vllm.v1.engine.output_processor import RequestOutputCollector  # noqa: E402
 from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
-from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 from vllm.v1.metrics.stats import IterationStats  # noqa: E402
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP  # noqa: E402
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Multimodal serving engines keep a "
-        "processor cache on both sides of the process boundary; when they drift, requests "
-        "fail unless the front end retries them with the data attached. ") * 40
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Multimodal serving engines keep a "
+    "processor cache on both sides of the process boundary; when they drift, requests "
+    "fail unless the front end retries them with the data attached. "
+) * 40
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"stop": None, "n": 1},
     "stop2": {"stop": ["zebra", "\n\n"], "n": 1},
@@ -53,17 +55,27 @@ OUR_KW: dict[str, Any] = {}
 BOTH_KW: dict[str, Any] = {"log_stats": False}
 
 
-def _setup(cls: type, tok: Any, ids: list[int], batch: int, stop: list[str] | None, n: int) -> tuple[Any, list, list[str]]:
+def _setup(
+    cls: type, tok: Any, ids: list[int], batch: int, stop: list[str] | None, n: int
+) -> tuple[Any, list, list[str]]:
     op = cls(tok, **BOTH_KW, **(OUR_KW if cls is OurOP else {}))
     collectors: list[RequestOutputCollector] = []
     child_ids: list[str] = []
     for p in range(batch // n):
         sp = SamplingParams(max_tokens=1 << 20, output_kind=RequestOutputKind.DELTA, stop=stop, n=n)
         rid = f"r{p}"
-        req = EngineCoreRequest(request_id=rid, prompt_token_ids=ids[:16], mm_features=None,
-                                sampling_params=sp, pooling_params=None, arrival_time=time.time(),
-                                lora_request=None, cache_salt=None, data_parallel_rank=None,
-                                external_req_id=rid)
+        req = EngineCoreRequest(
+            request_id=rid,
+            prompt_token_ids=ids[:16],
+            mm_features=None,
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            external_req_id=rid,
+        )
         q = RequestOutputCollector(RequestOutputKind.DELTA, rid)
         collectors.append(q)
         if n == 1:
@@ -73,24 +85,36 @@ def _setup(cls: type, tok: Any, ids: list[int], batch: int, stop: list[str] | No
         parent = ParentRequest(req)
         for idx in range(n):
             cid, csp = parent.get_child_info(idx)
-            child = EngineCoreRequest(request_id=cid, prompt_token_ids=ids[:16], mm_features=None,
-                                      sampling_params=csp, pooling_params=None,
-                                      arrival_time=req.arrival_time, lora_request=None,
-                                      cache_salt=None, data_parallel_rank=None, external_req_id=rid)
+            child = EngineCoreRequest(
+                request_id=cid,
+                prompt_token_ids=ids[:16],
+                mm_features=None,
+                sampling_params=csp,
+                pooling_params=None,
+                arrival_time=req.arrival_time,
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+                external_req_id=rid,
+            )
             op.add_request(child, None, parent, idx, q)
             child_ids.append(cid)
     return op, collectors, child_ids
 
 
-def run(cls: type, tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1) -> float:
+def run(
+    cls: type, tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1
+) -> float:
     """Median seconds per process_outputs call (after warm-up)."""
     op, collectors, child_ids = _setup(cls, tok, ids, batch, stop, n)
     rng = random.Random(0)
     offs = [rng.randrange(len(ids)) for _ in child_ids]
     times = []
     for s in range(steps):
-        outs = [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(offs[i] + s) % len(ids)]])
-                for i, cid in enumerate(child_ids)]
+        outs = [
+            EngineCoreOutput(request_id=cid, new_token_ids=[ids[(offs[i] + s) % len(ids)]])
+            for i, cid in enumerate(child_ids)
+        ]
         stats = IterationStats() if BOTH_KW["log_stats"] else None
         t0 = time.perf_counter()
         op.process_outputs(outs, time.monotonic(), stats)
@@ -114,8 +138,9 @@ def rss_run(tok: Any, ids: list[int], request_steps: int, batch: int = 1024) -> 
     op, collectors, child_ids = _setup(OurOP, tok, ids, batch, None, 1)
 
     def step(s: int) -> None:
-        outs = [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(i + s) % len(ids)]])
-                for i, cid in enumerate(child_ids)]
+        outs = [
+            EngineCoreOutput(request_id=cid, new_token_ids=[ids[(i + s) % len(ids)]]) for i, cid in enumerate(child_ids)
+        ]
         op.process_outputs(outs)
         for q in collectors:
             q.get_nowait()
@@ -163,12 +188,19 @@ def main() -> None:
         for b in batches:
             steps = 12 if args.quick else (60 if b < 4096 else 25)
             # Alternate the two so load changes on this shared machine hit both.
-            pairs = [(run(StockOP, tok, ids, b, steps, **cfg), run(OurOP, tok, ids, b, steps, **cfg))
-                     for _ in range(1 if args.quick else args.repeat)]
+            pairs = [
+                (run(StockOP, tok, ids, b, steps, **cfg), run(OurOP, tok, ids, b, steps, **cfg))
+                for _ in range(1 if args.quick else args.repeat)
+            ]
             stock = statistics.median(p[0] for p in pairs)
             ours = statistics.median(p[1] for p in pairs)
-            row = {"variant": variant, "batch": b, "stock_us": round(stock * 1e6 / b, 3),
-                   "ours_us": round(ours * 1e6 / b, 3), "ratio": round(stock / ours, 2)}
+            row = {
+                "variant": variant,
+                "batch": b,
+                "stock_us": round(stock * 1e6 / b, 3),
+                "ours_us": round(ours * 1e6 / b, 3),
+                "ratio": round(stock / ours, 2),
+            }
             rows.append(row)
             print(f"{variant:8s} {b:6d} {row['stock_us']:9.2f} {row['ours_us']:9.2f} {row['ratio']:6.2f}")
     for row in rows:

@@ -17,8 +17,8 @@ at each concurrency with 1.5 x concurrency requests. Repeats alternate the confi
 Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
 vllm-bench's steady-state window (whole run when it has none) with its min-max; output
 tokens/s = 256 x that (the engine's count: see measurements()); TTFT and inter-token
-latency p50/p99, TPOT and end-to-end latency p50 as vllm-bench reports them (whole run); API-server CPU seconds per 1,000
-output tokens (utime+stime of the API server process, all threads, from /proc over the
+latency p50/p99, TPOT and end-to-end latency p50 as vllm-bench reports them (whole run);
+API-server CPU seconds per 1,000 output tokens (utime+stime of the API server process, all threads, from /proc over the
 whole load run); `vs_stock`: this row's requests/s over stock's with the same statistics
 setting in the same repeat, median and min-max over the repeats.
 Prints a table, then one JSON line per row, then the elapsed time.

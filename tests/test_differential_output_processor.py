@@ -49,7 +49,7 @@ def _byte_level_chars() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 @pytest.fixture(scope="module", params=["llama", "tekken"])
@@ -71,36 +71,46 @@ def tokenizer_and_vocab(request: pytest.FixtureRequest) -> tuple[Any, list[int],
     special = sorted(set(tok.all_special_ids))[:3] + ([32000] if request.param == "llama" else [])
     assert len(ids) > 20 and all(isinstance(i, int) for i in ids)
     # The text itself as a stream (split chars as byte tokens): stop strings match often.
-    stream = tok.encode(TEXT, add_special_tokens=False) + [tok.convert_tokens_to_ids(byte_token(b)) for b in SPLIT.encode()]
+    stream = tok.encode(TEXT, add_special_tokens=False) + [
+        tok.convert_tokens_to_ids(byte_token(b)) for b in SPLIT.encode()
+    ]
     return tok, sorted(ids) + special, stream
 
 
 def _specs(data: st.DataObject, vocab: list[int]) -> list[ReqSpec]:
     specs = []
     for i in range(data.draw(st.integers(1, 4), label="num_requests")):
-        specs.append(ReqSpec(
-            request_id=f"req{i}",
-            external_id=data.draw(st.sampled_from([f"ext{i}", "shared"])),
-            prompt_ids=data.draw(st.lists(st.sampled_from(vocab), min_size=1, max_size=6)),
-            n=data.draw(st.sampled_from([1, 1, 2, 3])),
-            kind=data.draw(st.sampled_from(KINDS)),
-            stop=data.draw(st.one_of(st.none(), st.lists(st.sampled_from(STOPS), min_size=1, max_size=2, unique=True))),
-            include_stop=data.draw(st.booleans()),
-            stream_interval=data.draw(st.sampled_from([None, None, 2, 3])),
-            logprobs=data.draw(st.sampled_from([None, None, None, 0, 2])),
-            min_tokens=data.draw(st.sampled_from([0, 0, 2, 4])),
-            skip_special_tokens=data.draw(st.booleans()),
-            spaces_between_special_tokens=data.draw(st.booleans()),
-            stop_token_ids=data.draw(st.sampled_from([None, None, vocab[:2]])),
-            detokenize=data.draw(st.sampled_from([True, True, True, False])),
-        ))
+        specs.append(
+            ReqSpec(
+                request_id=f"req{i}",
+                external_id=data.draw(st.sampled_from([f"ext{i}", "shared"])),
+                prompt_ids=data.draw(st.lists(st.sampled_from(vocab), min_size=1, max_size=6)),
+                n=data.draw(st.sampled_from([1, 1, 2, 3])),
+                kind=data.draw(st.sampled_from(KINDS)),
+                stop=data.draw(
+                    st.one_of(st.none(), st.lists(st.sampled_from(STOPS), min_size=1, max_size=2, unique=True))
+                ),
+                include_stop=data.draw(st.booleans()),
+                stream_interval=data.draw(st.sampled_from([None, None, 2, 3])),
+                logprobs=data.draw(st.sampled_from([None, None, None, 0, 2])),
+                min_tokens=data.draw(st.sampled_from([0, 0, 2, 4])),
+                skip_special_tokens=data.draw(st.booleans()),
+                spaces_between_special_tokens=data.draw(st.booleans()),
+                stop_token_ids=data.draw(st.sampled_from([None, None, vocab[:2]])),
+                detokenize=data.draw(st.sampled_from([True, True, True, False])),
+            )
+        )
     return specs
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native_detok", "python_detok"])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
-def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject) -> None:
+def test_same_outputs_as_stock(
+    tokenizer_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject
+) -> None:
     tokenizer, vocab, stream = tokenizer_and_vocab
     cursor: dict[str, int] = {}
     async_mode = data.draw(st.booleans(), label="async_mode")
@@ -137,9 +147,9 @@ def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[i
             # Stock raises on a parent id together with one of its children in
             # one call (it unlinks the child twice); AsyncLLM never does that.
             if internal:
-                pool = data.draw(st.sampled_from([live, parents])) + ["unknown"]
+                pool = [*data.draw(st.sampled_from([live, parents])), "unknown"]
             else:
-                pool = externals + ["unknown"]
+                pool = [*externals, "unknown"]
             ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))
             a = stock.op.abort_requests(list(ids), internal=internal)
             b = ours.op.abort_requests(list(ids), internal=internal)
@@ -157,7 +167,11 @@ def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[i
                     cursor[rid] = at + k
                 else:
                     toks = data.draw(st.lists(st.sampled_from(vocab), min_size=0, max_size=5))
-                fin = data.draw(st.sampled_from([None] * 6 + [FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]))
+                fin = data.draw(
+                    st.sampled_from(
+                        [None] * 6 + [FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]
+                    )
+                )
                 stop_reason = toks[-1] if (fin == FinishReason.STOP and toks and data.draw(st.booleans())) else None
                 if fin is not None and not toks and fin != FinishReason.ABORT:
                     toks = [vocab[0]]
@@ -169,9 +183,8 @@ def test_same_outputs_as_stock(tokenizer_and_vocab: tuple[Any, list[int], list[i
             if data.draw(st.booleans()):
                 plan.append(("gone", [vocab[0]], None, None, None))
 
-            def build() -> list:
-                return [eco(r, t, f, s, logprobs=logprobs_of.get(r), **error_kw(e))
-                        for r, t, f, s, e in plan]
+            def build(plan: list = plan) -> list:
+                return [eco(r, t, f, s, logprobs=logprobs_of.get(r), **error_kw(e)) for r, t, f, s, e in plan]
 
             its_a = new_iteration_stats() if log_stats else None
             its_b = new_iteration_stats() if log_stats else None

@@ -47,7 +47,8 @@ VERSIONS = [None, "default", "v1", "v2"]
 SUB_FINISH = [None] * 2 + [FinishReason.LENGTH, FinishReason.STOP]
 
 SETTINGS = settings(
-    max_examples=60, deadline=None,
+    max_examples=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
@@ -97,7 +98,9 @@ def compare_counts(stock: Side, ours: Side, ids: list[str]) -> None:
 @pytest.mark.parametrize("native", [True, False], ids=["native_detok", "python_detok"])
 @settings(SETTINGS, max_examples=250)
 @given(data=st.data())
-def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject) -> None:
+def test_streaming_input_same_as_stock(
+    stream_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject
+) -> None:
     tokenizer, stream, vocab = stream_and_vocab
     async_mode = data.draw(st.booleans(), label="async_mode")
     log_stats = data.draw(st.booleans(), label="log_stats")
@@ -108,17 +111,27 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
     # next to ordinary requests sharing the processor.
     specs: list[ReqSpec] = []
     for i in range(data.draw(st.integers(1, 2), label="num_sessions")):
-        specs.append(ReqSpec(
-            request_id=f"s{i}", external_id=data.draw(st.sampled_from([f"ext-s{i}", "shared"])), prompt_ids=[],
-            kind=data.draw(st.sampled_from([RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])),
-            stream_interval=data.draw(st.sampled_from([None, None, 2])),
-            logprobs=data.draw(st.sampled_from([None, None, 1])),
-            min_tokens=data.draw(st.sampled_from([0, 0, 2])),
-            stop_token_ids=data.draw(st.sampled_from([None, vocab[:2]])),
-        ))
-    plain = [ReqSpec(request_id=f"p{i}", external_id=data.draw(st.sampled_from([f"ext-p{i}", "shared"])),
-                     prompt_ids=[vocab[i]], kind=data.draw(st.sampled_from(list(RequestOutputKind))))
-             for i in range(data.draw(st.integers(0, 1), label="num_plain"))]
+        specs.append(
+            ReqSpec(
+                request_id=f"s{i}",
+                external_id=data.draw(st.sampled_from([f"ext-s{i}", "shared"])),
+                prompt_ids=[],
+                kind=data.draw(st.sampled_from([RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])),
+                stream_interval=data.draw(st.sampled_from([None, None, 2])),
+                logprobs=data.draw(st.sampled_from([None, None, 1])),
+                min_tokens=data.draw(st.sampled_from([0, 0, 2])),
+                stop_token_ids=data.draw(st.sampled_from([None, vocab[:2]])),
+            )
+        )
+    plain = [
+        ReqSpec(
+            request_id=f"p{i}",
+            external_id=data.draw(st.sampled_from([f"ext-p{i}", "shared"])),
+            prompt_ids=[vocab[i]],
+            kind=data.draw(st.sampled_from(list(RequestOutputKind))),
+        )
+        for i in range(data.draw(st.integers(0, 1), label="num_plain"))
+    ]
     all_ids = [s.request_id for s in specs + plain]
     externals = sorted({s.external_id for s in specs + plain})
 
@@ -164,7 +177,7 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
         elif action == "end":
             spec = data.draw(st.sampled_from(sessions))
             rid = spec.request_id
-            add_both(lambda: chunk_request(spec, [0], clock[0], False), None, spec)
+            add_both(lambda spec=spec: chunk_request(spec, [0], clock[0], False), None, spec)
             closed[rid] = True
             if not running[rid] and pending[rid] == 0:
                 gone.add(rid)  # engine already finished: stock ends it here
@@ -187,9 +200,13 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
                 cursor[rid] += k
                 # A session's sub-request ends with STOP/LENGTH, or ERROR (engine aborts
                 # send nothing); vLLM 0.33 ends the session on ERROR, 0.32 does not.
-                fin = data.draw(st.sampled_from(
-                    SUB_FINISH[2:] + [FinishReason.ERROR] if rid == ending
-                    else SUB_FINISH + ([] if rid in running else [FinishReason.ABORT])))
+                fin = data.draw(
+                    st.sampled_from(
+                        [*SUB_FINISH[2:], FinishReason.ERROR]
+                        if rid == ending
+                        else SUB_FINISH + ([] if rid in running else [FinishReason.ABORT])
+                    )
+                )
                 if fin is not None and fin != FinishReason.ABORT and not toks:
                     toks = [vocab[0]]
                 err = data.draw(st.sampled_from([None] * 6 + ENGINE_ERRORS)) if ENGINE_ERRORS else None
@@ -210,9 +227,11 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
                 plan.append(("unknown", [vocab[0]], None, None))
             spec_of = {s.request_id: s for s in specs + plain}
 
-            def build() -> list:
-                return [eco(r, t, f, logprobs=spec_of[r].logprobs if r in spec_of else None,
-                            **error_kw(e)) for r, t, f, e in plan]
+            def build(plan: list = plan, spec_of: dict = spec_of) -> list:
+                return [
+                    eco(r, t, f, logprobs=spec_of[r].logprobs if r in spec_of else None, **error_kw(e))
+                    for r, t, f, e in plan
+                ]
 
             wv = data.draw(st.sampled_from(VERSIONS), label="weight_version")
             its_a = new_iteration_stats() if log_stats else None
@@ -238,13 +257,17 @@ def test_streaming_input_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
 @pytest.mark.parametrize("native", [True, False], ids=["native_detok", "python_detok"])
 @SETTINGS
 @given(data=st.data())
-def test_weight_versions_same_as_stock(stream_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject) -> None:
+def test_weight_versions_same_as_stock(
+    stream_and_vocab: tuple[Any, list[int], list[int]], native: bool, data: st.DataObject
+) -> None:
     tokenizer, stream, vocab = stream_and_vocab
     async_mode = data.draw(st.booleans(), label="async_mode")
     stock, ours = make_sides(tokenizer, native, async_mode, False, data.draw(st.sampled_from([1, 2])))
     specs = [
         ReqSpec(
-            request_id=f"r{i}", external_id=f"e{i}", prompt_ids=[vocab[i]],
+            request_id=f"r{i}",
+            external_id=f"e{i}",
+            prompt_ids=[vocab[i]],
             n=data.draw(st.sampled_from([1, 1, 2])),
             kind=data.draw(st.sampled_from(list(RequestOutputKind))),
             stop=data.draw(st.sampled_from([None, None, ["fox"], [" the"]])),
@@ -272,7 +295,7 @@ def test_weight_versions_same_as_stock(stream_and_vocab: tuple[Any, list[int], l
                 toks = [vocab[0]]
             plan.append((rid, toks, fin))
 
-        def build() -> list:
+        def build(plan: list = plan) -> list:
             return [eco(r, t, f, logprobs=logprobs_of[r]) for r, t, f in plan]
 
         outs_a, abort_a = stock.step(build(), weight_version=wv)
@@ -299,9 +322,18 @@ def test_weight_version_change_gives_spans(tiny_tokenizer: Any, native: bool, lo
     results = []
     for op in (StockOP(tiny_tokenizer, log_stats=False), OurOP(tiny_tokenizer, log_stats=False, native_detok=native)):
         side = Side(op, async_mode=False)
-        side.add(ReqSpec(request_id="r", external_id="e", prompt_ids=[1], kind=RequestOutputKind.FINAL_ONLY, logprobs=logprobs))
-        for toks, wv, fin in [(ids[0:2], "v1", None), (ids[2:3], "v1", None), (ids[3:5], "v2", None),
-                              (ids[5:6], None, None), (ids[6:7], "v1", FinishReason.LENGTH)]:
+        side.add(
+            ReqSpec(
+                request_id="r", external_id="e", prompt_ids=[1], kind=RequestOutputKind.FINAL_ONLY, logprobs=logprobs
+            )
+        )
+        for toks, wv, fin in [
+            (ids[0:2], "v1", None),
+            (ids[2:3], "v1", None),
+            (ids[3:5], "v2", None),
+            (ids[5:6], None, None),
+            (ids[6:7], "v1", FinishReason.LENGTH),
+        ]:
             outs, _ = side.step([eco("r", toks, fin, logprobs=logprobs)], weight_version=wv)
         results.append(outs)
     (stock_out,), (our_out,) = results

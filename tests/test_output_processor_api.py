@@ -38,7 +38,13 @@ def test_bad_input_is_a_python_exception(op: OutputProcessor) -> None:
     with pytest.raises(TypeError):
         op.process_outputs([EngineCoreOutput(request_id="r", new_token_ids=[1], finish_reason="done")])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="mm_cache_miss_hashes"):
-        op.process_outputs([EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason=FinishReason.ERROR, mm_cache_miss_hashes=[3])])  # type: ignore[list-item]
+        op.process_outputs(
+            [
+                EngineCoreOutput(
+                    request_id="r", new_token_ids=[], finish_reason=FinishReason.ERROR, mm_cache_miss_hashes=[3]
+                )
+            ]
+        )  # type: ignore[list-item]
     # Unknown ids are ignored, as in stock vLLM.
     assert op.abort_requests(["nope"], internal=False) == []
     assert op.process_outputs([EngineCoreOutput(request_id="nope", new_token_ids=[1])]).request_outputs == []
@@ -80,13 +86,26 @@ def test_fast_reads_and_fallback_counters(op: OutputProcessor) -> None:
 def test_request_output_error_field() -> None:
     opm.ensure_request_output_error()
     c = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
-    o = RequestOutput(request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[c], finished=False)
+    o = RequestOutput(
+        request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[c], finished=False
+    )
     assert o.error is None
     err = RequestError(code="multimodal_cache_miss", message="m", retryable=True)
     o2 = RequestOutput.__new__(RequestOutput)
-    v0_32._ro_init(o2, request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
-                 outputs=[CompletionOutput(index=0, text="a", token_ids=[5], cumulative_logprob=None, logprobs=None, finish_reason="error")],
-                 finished=True, error=err)
+    v0_32._ro_init(
+        o2,
+        request_id="x",
+        prompt=None,
+        prompt_token_ids=[1],
+        prompt_logprobs=None,
+        outputs=[
+            CompletionOutput(
+                index=0, text="a", token_ids=[5], cumulative_logprob=None, logprobs=None, finish_reason="error"
+            )
+        ],
+        finished=True,
+        error=err,
+    )
     v0_32._ro_add(o, o2, aggregate=True)
     assert o.error is err and o.finished and o.outputs[0].text == "a"
 

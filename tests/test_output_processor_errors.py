@@ -82,7 +82,9 @@ def _assert_error_output(o: RequestOutput, ext: str, index: int) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_n1_miss_is_one_terminal_retryable_error(tiny_tokenizer: Any, sender_cache: Any, mode: str, kind: RequestOutputKind) -> None:
+def test_n1_miss_is_one_terminal_retryable_error(
+    tiny_tokenizer: Any, sender_cache: Any, mode: str, kind: RequestOutputKind
+) -> None:
     side = _ours(tiny_tokenizer, sender_cache, mode == "async")
     spec = ReqSpec("r1", "ext-r1", [1, 415, 2936], kind=kind)
     side.add(spec)
@@ -115,7 +117,12 @@ def test_n1_miss_is_one_terminal_retryable_error(tiny_tokenizer: Any, sender_cac
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("miss_child, finished_before", [(0, None), (1, None), (2, None), (2, 0), (0, 1)])
 def test_n3_miss_aborts_siblings_and_answers_once(
-    tiny_tokenizer: Any, sender_cache: Any, mode: str, kind: RequestOutputKind, miss_child: int, finished_before: int | None
+    tiny_tokenizer: Any,
+    sender_cache: Any,
+    mode: str,
+    kind: RequestOutputKind,
+    miss_child: int,
+    finished_before: int | None,
 ) -> None:
     side = _ours(tiny_tokenizer, sender_cache, mode == "async")
     spec = ReqSpec("p", "ext-p", [1, 415], n=3, kind=kind)
@@ -155,7 +162,9 @@ def test_n3_miss_aborts_siblings_and_answers_once(
     assert side.op.parent_requests == {}
 
 
-def test_every_miss_of_the_step_is_invalidated_before_any_error_is_visible(tiny_tokenizer: Any, sender_cache: Any) -> None:
+def test_every_miss_of_the_step_is_invalidated_before_any_error_is_visible(
+    tiny_tokenizer: Any, sender_cache: Any
+) -> None:
     side = _ours(tiny_tokenizer, sender_cache, True)
     for rid in ("a", "b", "c"):
         side.add(ReqSpec(rid, f"ext-{rid}", [1, 415]))
@@ -196,12 +205,25 @@ def test_pooling_miss_keeps_stock_behaviour(tiny_tokenizer: Any, sender_cache: A
         op = cls(tiny_tokenizer, log_stats=False)
         q = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, "e") if mode == "async" else None
         req = EngineCoreRequest(
-            request_id="e", prompt_token_ids=[1, 415], mm_features=None, sampling_params=None,
-            pooling_params=PoolingParams(task="embed"), arrival_time=0.0, lora_request=None,
-            cache_salt=None, data_parallel_rank=None, external_req_id="ext-e",
+            request_id="e",
+            prompt_token_ids=[1, 415],
+            mm_features=None,
+            sampling_params=None,
+            pooling_params=PoolingParams(task="embed"),
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            external_req_id="ext-e",
         )
         op.add_request(req, None, None, 0, q)
-        res = op.process_outputs([EngineCoreOutput(request_id="e", new_token_ids=[], finish_reason=FinishReason.ERROR, mm_cache_miss_hashes=["h1"])])
+        res = op.process_outputs(
+            [
+                EngineCoreOutput(
+                    request_id="e", new_token_ids=[], finish_reason=FinishReason.ERROR, mm_cache_miss_hashes=["h1"]
+                )
+            ]
+        )
         [o] = [q.get_nowait()] if q is not None else res.request_outputs
         assert isinstance(o, PoolingRequestOutput)
         results.append((o.request_id, o.finished, o.error, list(o.prompt_token_ids), res.reqs_to_abort))

@@ -32,7 +32,9 @@ def _step_both(stock: Side, ours: Side, plan: list[tuple[str, list[int], Any]]) 
 
 
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
-def test_native_request_leaving_the_fast_path_continues_like_stock(tiny_tokenizer: Any, kind: RequestOutputKind) -> None:
+def test_native_request_leaving_the_fast_path_continues_like_stock(
+    tiny_tokenizer: Any, kind: RequestOutputKind
+) -> None:
     ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
     stock, ours = _pair(tiny_tokenizer, async_mode=kind == RequestOutputKind.DELTA)
     # A stop string with a hold-back buffer: the replay must restore the offset of
@@ -42,14 +44,14 @@ def test_native_request_leaving_the_fast_path_continues_like_stock(tiny_tokenize
     ours.add(spec)
     assert ours.op._core.is_native("r")
     for k in range(0, 6, 2):
-        _step_both(stock, ours, [("r", ids[k:k + 2], {})])
+        _step_both(stock, ours, [("r", ids[k : k + 2], {})])
     # Routed experts only vLLM's Python RequestState collects.
     _step_both(stock, ours, [("r", ids[6:7], {"routed_experts": np.zeros((1, 2, 2), dtype=np.int32)})])
     assert ours.op.counters()["fallbacks"] == {"routed_experts": 1}
     assert not ours.op._core.is_fast("r")
     # The rest of the text, including the stop string, in Python now.
     for k in range(7, len(ids), 3):
-        _step_both(stock, ours, [("r", ids[k:k + 3], {})])
+        _step_both(stock, ours, [("r", ids[k : k + 3], {})])
     assert not ours.op.has_request("r") and not stock.op.has_request("r")
 
 

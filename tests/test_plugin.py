@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import pytest
-
 import servers  # tools/, put on sys.path by conftest
 
 from vllm_mmretry import vllm_adapter
@@ -23,7 +22,10 @@ PY = sys.executable
 def _run(code: str, **env: str) -> dict:
     """Run `code` in a fresh interpreter (patches are per process); it prints JSON."""
     out = subprocess.run(
-        [PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+        [PY, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, **env},
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -59,14 +61,27 @@ def test_supported_vllm_is_patched_through_the_entry_point() -> None:
 
 def test_disabled_leaves_vllm_untouched() -> None:
     r = _run(PROBE.format(setup=""), VLLM_MMRETRY="0")
-    assert r == {"state": [], "originals": 0, "async_llm_op": "vllm.v1.engine.output_processor",
-                 "llm_engine_op": "vllm.v1.engine.output_processor"}
+    assert r == {
+        "state": [],
+        "originals": 0,
+        "async_llm_op": "vllm.v1.engine.output_processor",
+        "llm_engine_op": "vllm.v1.engine.output_processor",
+    }
 
 
-@pytest.mark.parametrize("version, supported", [
-    ("0.32.0", True), ("0.33.0", True), ("0.31.9", False), ("0.32.1", False),
-    ("0.33.1", False), ("0.34.0", False), ("", False), (None, False),
-])
+@pytest.mark.parametrize(
+    "version, supported",
+    [
+        ("0.32.0", True),
+        ("0.33.0", True),
+        ("0.31.9", False),
+        ("0.32.1", False),
+        ("0.33.1", False),
+        ("0.34.0", False),
+        ("", False),
+        (None, False),
+    ],
+)
 def test_version_gate_accepts_exactly_0_32_0_and_0_33_0(version: str | None, supported: bool) -> None:
     assert vllm_adapter.is_supported(version) is supported
     assert vllm_adapter.SUPPORTED_VLLM_VERSIONS == {"0.32.0", "0.33.0"}
@@ -75,8 +90,12 @@ def test_version_gate_accepts_exactly_0_32_0_and_0_33_0(version: str | None, sup
 @pytest.mark.parametrize("version", ["0.31.9", "0.34.0"])
 def test_unsupported_vllm_version_leaves_vllm_untouched(version: str) -> None:
     r = _run(PROBE.format(setup=f"import vllm; vllm.__version__ = '{version}'"))
-    assert r == {"state": [], "originals": 0, "async_llm_op": "vllm.v1.engine.output_processor",
-                 "llm_engine_op": "vllm.v1.engine.output_processor"}
+    assert r == {
+        "state": [],
+        "originals": 0,
+        "async_llm_op": "vllm.v1.engine.output_processor",
+        "llm_engine_op": "vllm.v1.engine.output_processor",
+    }
 
 
 def test_register_is_idempotent_and_refuses_double_patching() -> None:
@@ -111,7 +130,9 @@ def test_plugin_active_in_api_server_and_engine_core_of_a_running_server(plain_s
     # Our line can come before vLLM names the process (the API server logs it as
     # MainProcess, right after logging is configured), so match processes by pid.
     role_of = {pid: role for role, pid in re.findall(r"^\((APIServer|EngineCore)[\w-]* pid=(\d+)\)", log, re.M)}
-    active = re.findall(r"^\([\w-]+ pid=(\d+)\).*vllm-mmretry active for vLLM [\d.]+ \([^)]*\): patched (.+)$", log, re.M)
+    active = re.findall(
+        r"^\([\w-]+ pid=(\d+)\).*vllm-mmretry active for vLLM [\d.]+ \([^)]*\): patched (.+)$", log, re.M
+    )
     pids = [pid for pid, _ in active]
     assert len(pids) == len(set(pids)), "one line per process"
     patched = {role_of[pid]: labels for pid, labels in active if pid in role_of}

@@ -12,9 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from retry_support import (Fault, InProcessServer, image_messages, in_process_server,
-                           retry_log_lines)
+from retry_support import Fault, InProcessServer, image_messages, in_process_server, retry_log_lines
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
@@ -169,7 +167,7 @@ def test_non_retryable_error_is_stock_500(server: InProcessServer, path: str,
     assert resp.json()["error"]["type"] == "InternalServerError"
     assert "retry-after" not in resp.headers
     server.faults.add(Fault("fatal-s", kind="fatal"))
-    status, events = server.stream(path, body_for(path, "fatal-s"))
+    _status, events = server.stream(path, body_for(path, "fatal-s"))
     assert [e["code"] for e in streamed(path, events)[1]] == [500]
     assert len(server.faults.submitted) == 2  # one per request: no retries
     assert not [line for line in retry_log if "vllm-mmretry" in line]
@@ -336,8 +334,7 @@ def test_undisturbed_requests_match_stock_vllm(server: InProcessServer, path: st
 def test_run_batch_keeps_its_own_policy(server: InProcessServer, retry_log: list[str]) -> None:
     """vLLM's run_batch calls the same serving method without an HTTP request: no
     retry there; the miss becomes its usual error line (500)."""
-    from vllm.entrypoints.launchers.run_batch import (BatchProgressTracker,
-                                                      BatchRequestInput, run_request)
+    from vllm.entrypoints.launchers.run_batch import BatchProgressTracker, BatchRequestInput, run_request
 
     fault = server.faults.add(Fault("rb-miss"))
     item = BatchRequestInput(custom_id="c1", method="POST", url="/v1/chat/completions",

@@ -9,9 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from retry_support import (Fault, InProcessServer, image_messages, in_process_server,
-                           png_data_url, retry_log_lines)
+from retry_support import Fault, InProcessServer, image_messages, in_process_server, png_data_url, retry_log_lines
 
 EMBED, COHERE = "/v1/embeddings", "/v2/embed"
 
@@ -103,8 +101,7 @@ def test_batch_retries_with_all_prompts_and_keeps_order(server: InProcessServer)
 
 
 def test_run_batch_embeddings_keep_their_own_503(server: InProcessServer) -> None:
-    from vllm.entrypoints.launchers.run_batch import (BatchProgressTracker,
-                                                      BatchRequestInput, run_request)
+    from vllm.entrypoints.launchers.run_batch import BatchProgressTracker, BatchRequestInput, run_request
 
     fault = server.faults.add(Fault("embd-"))  # run_batch gives a random id: fail any
     item = BatchRequestInput(custom_id="e1", method="POST", url="/v1/embeddings",

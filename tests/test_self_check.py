@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 import pytest
-from output_processor_support import ReqSpec, Side, add_to_both, eco, norm
+from output_processor_support import ReqSpec, Side, add_to_both, norm
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -34,7 +34,10 @@ SPECS = [
 def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = True) -> tuple[Any, list[Any], list[Any]]:
     """The same requests and engine outputs through stock vLLM and ours:
     (our processor, stock's outputs, ours), every output normalised in full."""
-    stock, ours = Side(StockOP(tokenizer, log_stats=False), async_mode), Side(OurOP(tokenizer, log_stats=False), async_mode)
+    stock, ours = (
+        Side(StockOP(tokenizer, log_stats=False), async_mode),
+        Side(OurOP(tokenizer, log_stats=False), async_mode),
+    )
     live, _ = add_to_both(stock, ours, SPECS)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     got_stock: list[Any] = []
@@ -42,9 +45,15 @@ def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = Tr
     for step in range(0, len(ids), 2):
         last = step + 2 >= len(ids)
         for side, got in ((stock, got_stock), (ours, got_ours)):
-            ecos = [eco_cls(request_id=rid, new_token_ids=list(ids[step:step + 2]),
-                            finish_reason=FinishReason.LENGTH if last else None)
-                    for rid in live if side.op.has_request(rid)]
+            ecos = [
+                eco_cls(
+                    request_id=rid,
+                    new_token_ids=list(ids[step : step + 2]),
+                    finish_reason=FinishReason.LENGTH if last else None,
+                )
+                for rid in live
+                if side.op.has_request(rid)
+            ]
             outs, aborts = side.step(ecos)
             got.append(([norm(o) for o in outs], sorted(aborts), {k: norm(v) for k, v in side.drain().items()}))
     assert not ours.op.has_unfinished_requests()
@@ -70,14 +79,17 @@ def patch_outputs(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _warned(caplog: pytest.LogCaptureFixture, what: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and "turned off" in r.getMessage() and what in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "turned off" in r.getMessage() and what in r.getMessage()
+    ]
 
 
 @pytest.mark.parametrize("async_mode", [True, False])
-def test_plugin_attribute_on_outputs_is_carried_natively(tiny_tokenizer: Any, patch_outputs: Any,
-                                                         caplog: pytest.LogCaptureFixture,
-                                                         async_mode: bool) -> None:
+def test_plugin_attribute_on_outputs_is_carried_natively(
+    tiny_tokenizer: Any, patch_outputs: Any, caplog: pytest.LogCaptureFixture, async_mode: bool
+) -> None:
     def tag_ro(o: Any) -> None:
         o.plugin_trace = "trace-id"
 
@@ -93,8 +105,9 @@ def test_plugin_attribute_on_outputs_is_carried_natively(tiny_tokenizer: Any, pa
     assert not _warned(caplog, "")
 
 
-def test_plugin_attribute_derived_from_arguments_falls_back(tiny_tokenizer: Any, patch_outputs: Any,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_plugin_attribute_derived_from_arguments_falls_back(
+    tiny_tokenizer: Any, patch_outputs: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """A patch whose value depends on the output's text cannot be templated: vLLM
     builds every output."""
 
@@ -110,8 +123,9 @@ def test_plugin_attribute_derived_from_arguments_falls_back(tiny_tokenizer: Any,
     assert _warned(caplog, "text_chars")
 
 
-def test_engine_core_output_field_change_reads_by_name(tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_engine_core_output_field_change_reads_by_name(
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A vLLM point release adding an EngineCoreOutput field: slot reads are
     turned off, fields are read by name, outputs unchanged."""
 
@@ -128,8 +142,9 @@ def test_engine_core_output_field_change_reads_by_name(tiny_tokenizer: Any, monk
 
 
 @pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok"])
-def test_forced_self_check_failure(tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
-                                   caplog: pytest.LogCaptureFixture, part: str) -> None:
+def test_forced_self_check_failure(
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, part: str
+) -> None:
     monkeypatch.setenv(FORCE_SELF_CHECK_FAIL_ENV, part)
     op, stock, ours = _run(tiny_tokenizer)
     assert ours == stock
@@ -155,7 +170,8 @@ def test_self_check_passes_on_stock_vllm(tiny_tokenizer: Any) -> None:
     check = adapter().self_check(tiny_tokenizer, vocab)
     assert check.failures() == {}
     # The templates are what vLLM's constructors set, nothing more or less.
-    ro = RequestOutput(request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
-                       outputs=[], finished=False)
+    ro = RequestOutput(
+        request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[], finished=False
+    )
     co = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
     assert list(check.ro_base) == list(vars(ro)) and list(check.co_base) == list(vars(co))

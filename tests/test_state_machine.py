@@ -28,7 +28,11 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
 )
 from output_processor_support import ReqSpec, Side, eco, norm
 from vllm.sampling_params import RequestOutputKind
@@ -59,7 +63,7 @@ def _shared(n: Any) -> Any:
 
 class OutputProcessorMachine(RuleBasedStateMachine):
     tokenizer: Any = None
-    token_pool: list[int] = []
+    token_pool: tuple[int, ...] = ()
 
     @initialize()
     def start(self) -> None:
@@ -248,7 +252,7 @@ class OutputProcessorMachine(RuleBasedStateMachine):
 def test_output_processor_state_machine(tiny_tokenizer: Any, seedless: None) -> None:
     pool = sorted({t for w in WORDS for t in tiny_tokenizer.encode(w, add_special_tokens=False)})
     OutputProcessorMachine.tokenizer = tiny_tokenizer
-    OutputProcessorMachine.token_pool = pool
+    OutputProcessorMachine.token_pool = tuple(pool)
     test_case = OutputProcessorMachine.TestCase
     test_case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])

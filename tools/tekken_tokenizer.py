@@ -14,7 +14,8 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from tiny_model import CACHE, build_cached  # noqa: E402
+from tiny_model import CACHE, build_cached
+
 VOCAB_SIZE = 131072
 
 

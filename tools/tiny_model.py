@@ -46,9 +46,15 @@ def _build(out: pathlib.Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import AddedToken
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig,
-                              LlamaTokenizer, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlamaTokenizer,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     # transformers 5.x: LlamaTokenizer(vocab_file=...) gives an empty vocabulary;
     # loading a folder holding tokenizer.model converts SentencePiece offline.

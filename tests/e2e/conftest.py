@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from e2e_helpers import tiny_model
 
 

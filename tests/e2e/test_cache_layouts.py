@@ -16,7 +16,14 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import (
-    ENGINE_MISS, FAULT_DROP, chat_body, client, image_url, mark, servers, start_server,
+    ENGINE_MISS,
+    FAULT_DROP,
+    chat_body,
+    client,
+    image_url,
+    mark,
+    servers,
+    start_server,
 )
 
 pytestmark = pytest.mark.e2e

@@ -27,7 +27,9 @@ def env(model: str) -> dict[str, Any]:
     from vllm.multimodal.cache.base import MultiModalCacheMissError
     from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
     from vllm.multimodal.inputs import (
-        MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem,
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
     )
 
     config = ModelConfig(model=model, mm_processor_cache_gb=0.01)
@@ -78,7 +80,7 @@ def test_every_n_misses_exactly_the_nth_hits(env: dict[str, Any], plan: Any,
     # when k % n == 0, after which the hash stays missing until data arrives.
     present: set[str] = set()
     hits = 0
-    for (h, data), s, g in zip(seq, stock, got):
+    for (h, data), s, g in zip(seq, stock, got, strict=True):
         if data:
             present.add(h)
             assert g == s
@@ -102,7 +104,7 @@ def test_retry_miss_fails_each_dropped_hashs_first_resend_once(
     got = _run(env, env["faulty"], seq)
     present: set[str] = set()
     pending: set[str] = set()  # dropped, re-send not yet failed
-    for (h, data), g in zip(seq, got):
+    for (h, data), g in zip(seq, got, strict=True):
         if data and h in pending:
             pending.discard(h)
             assert g == f"miss:{h}"

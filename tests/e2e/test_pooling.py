@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import (
-    ENGINE_MISS, FAULT_DROP, RETRY_LINE, client, image_url, mark, servers, start_server,
+    ENGINE_MISS,
+    FAULT_DROP,
+    RETRY_LINE,
+    client,
+    image_url,
+    mark,
+    servers,
+    start_server,
 )
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +30,7 @@ def server(model: str) -> Iterator[servers.Server]:
 
 def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) > 0 and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6)
-                                        for x, y in zip(a, b))
+                                        for x, y in zip(a, b, strict=True))
 
 
 def _embed_twice(server: servers.Server, path: str, body: dict,

@@ -12,8 +12,18 @@ from collections.abc import Iterator
 import openai
 import pytest
 from e2e_helpers import (
-    ENGINE_MISS, FAULT_DROP, RETRY_LINE, chat_body, client, error_events, image_url, mark,
-    servers, start_server, stream_chat, streamed_text,
+    ENGINE_MISS,
+    FAULT_DROP,
+    RETRY_LINE,
+    chat_body,
+    client,
+    error_events,
+    image_url,
+    mark,
+    servers,
+    start_server,
+    stream_chat,
+    streamed_text,
 )
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import (
-    ENGINE_MISS, RETRY_LINE, chat_body, client, error_events, image_url, mark, servers,
-    stream_chat, streamed_text,
+    ENGINE_MISS,
+    RETRY_LINE,
+    chat_body,
+    client,
+    error_events,
+    image_url,
+    mark,
+    servers,
+    stream_chat,
+    streamed_text,
 )
 
 pytestmark = pytest.mark.e2e

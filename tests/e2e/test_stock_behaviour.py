@@ -8,7 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import (
-    ENGINE_MISS, FAULT_DROP, RETRY_LINE, chat_body, client, image_url, mark, servers,
+    ENGINE_MISS,
+    FAULT_DROP,
+    RETRY_LINE,
+    chat_body,
+    client,
+    image_url,
+    mark,
+    servers,
     start_server,
 )
 

@@ -5,7 +5,6 @@ launcher, the plugin loaded by vLLM's entry point) with vLLM's mock engine behin
 from __future__ import annotations
 
 import pytest
-
 from e033_helpers import installed_vllm_version, tiny_model
 
 TARGET = "0.33.0"

@@ -19,9 +19,14 @@ for path in (TOOLS, E2E):
         sys.path.insert(0, str(path))
 
 import mock_serve  # noqa: E402
-import tiny_model  # noqa: E402
 from e2e_helpers import (  # noqa: E402,F401  (shared with the 0.32 e2e tests)
-    MAX_TOKENS, chat_body, error_events, image_url, sse_events, stream_chat, streamed_text,
+    MAX_TOKENS,
+    chat_body,
+    error_events,
+    image_url,
+    sse_events,
+    stream_chat,
+    streamed_text,
 )
 
 # Log lines: the mock engine's fault mode writes the engine core's and our switch's

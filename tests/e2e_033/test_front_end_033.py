@@ -8,8 +8,18 @@ from collections.abc import Iterator
 
 import pytest
 from e033_helpers import (
-    ARRIVED, ENGINE_MISS, FAULT_BANNER, FAULT_DROP, chat_body, client, error_of, image_url,
-    mark, mock_serve, serve, stream_chat,
+    ARRIVED,
+    ENGINE_MISS,
+    FAULT_BANNER,
+    FAULT_DROP,
+    chat_body,
+    client,
+    error_of,
+    image_url,
+    mark,
+    mock_serve,
+    serve,
+    stream_chat,
 )
 
 MISS_ENV = {"VLLM_MMRETRY_FAULTS": "p1_miss=every:1"}

@@ -12,9 +12,24 @@ from collections.abc import Iterator
 
 import pytest
 from e033_helpers import (
-    ARRIVED, ENGINE_MISS, FAULT_DROP, RESEND_FAIL, RETRY_LINE, chat_body, client,
-    embeddings_body, error_events, error_of, image_url, mark, mock_serve,
-    requires_plugin_on_this_vllm, responses_body, serve, stream_chat, streamed_text,
+    ARRIVED,
+    ENGINE_MISS,
+    FAULT_DROP,
+    RESEND_FAIL,
+    RETRY_LINE,
+    chat_body,
+    client,
+    embeddings_body,
+    error_events,
+    error_of,
+    image_url,
+    mark,
+    mock_serve,
+    requires_plugin_on_this_vllm,
+    responses_body,
+    serve,
+    stream_chat,
+    streamed_text,
 )
 
 MISS_ENV = {"VLLM_MMRETRY_FAULTS": "p1_miss=every:1"}
