@@ -49,8 +49,10 @@ vocabs: setup
 test-rust: vocabs
 	VLLM_MMRETRY_REQUIRE_VOCABS=1 cargo test --release --lib --quiet
 
-test-py: setup
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+# The served-speed smoke test needs the mock engine and vllm-rs: require them, so it
+# cannot skip silently here.
+test-py: setup mock-engine
+	VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # The edit-test loop: every test that starts no server and builds nothing big
 # (markers e2e and slow, see pyproject.toml), with the slowest ones listed.
