@@ -113,6 +113,7 @@ class OutputProcessor:
         self.lora_states = _vllm.new_lora_states(log_stats)
         self.tracing_enabled = tracing_enabled
         self.admission_stats = admission_stats
+        self._detok_reason: str | None
         vocab, self._detok_reason = (native_vocab(tokenizer) if _native_enabled(native_detok)
                                      else (None, "disabled"))
         # Built now, after every plugin has loaded: what vLLM's constructors build

@@ -22,13 +22,14 @@ import contextvars
 import copy
 import functools
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mmretry import _patching, budget
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
+from vllm_mmretry.vllm_adapter.base import PoolingResults
 
 MM_CACHE_MISS = "multimodal_cache_miss"
 # Headers on the final 503 so stock OpenAI clients retry on their own.
@@ -52,13 +53,13 @@ def retryable_error(output: Any) -> Any:
     return None
 
 
-def _log_retry(request_id: str, endpoint: str, error: Any, skip_mm_cache: bool) -> None:
+def _log_retry(request_id: str | None, endpoint: str, error: Any, skip_mm_cache: bool) -> None:
     _log().warning(
         "vllm-mmretry: retrying request %s (endpoint %s, error %s, attempt 2 of 2, "
         "skip_mm_cache=%s)", request_id, endpoint, error.code, skip_mm_cache)
 
 
-def _log_final(request_id: str, endpoint: str, error: Any) -> None:
+def _log_final(request_id: str | None, endpoint: str, error: Any) -> None:
     _log().warning(
         "vllm-mmretry: request %s failed again after its retry (endpoint %s, error %s, "
         "attempt 2 of 2); answering 503", request_id, endpoint, error.code)
@@ -182,18 +183,18 @@ def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
 class _ErrorTap:
     """Passes the pooling result stream through, remembering retryable errors."""
 
-    def __init__(self, results: AsyncIterator[tuple[int, Any]]) -> None:
+    def __init__(self, results: PoolingResults) -> None:
         self.results = results
         self.errors: list[Any] = []
 
-    async def __call__(self) -> AsyncGenerator[tuple[int, Any], None]:
+    async def __call__(self) -> PoolingResults:
         try:
             async for i, res in self.results:
                 if (error := retryable_error(res)) is not None:
                     self.errors.append(error)
                 yield i, res
         finally:
-            await self.results.aclose()  # type: ignore[attr-defined]
+            await self.results.aclose()
 
 
 def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -209,7 +210,7 @@ def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
         attempt = await adapter().pooling_submit(self, request, raw_request)
         taps: list[_ErrorTap] = []
 
-        def tap(results: Any) -> Any:
+        def tap(results: PoolingResults) -> PoolingResults:
             taps.append(_ErrorTap(results))
             return taps[-1]()
 
@@ -254,7 +255,7 @@ def _wrap_error_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     return generation_error_handler
 
 
-def _vllm_error_in(exc: BaseException) -> BaseException | None:
+def _vllm_error_in(exc: BaseException) -> Exception | None:
     """The vLLM error `exc` was raised while handling, if the chain still says so."""
     seen: BaseException | None = exc
     while seen is not None:
@@ -272,7 +273,7 @@ def _wrap_responses_sse(original: Callable[..., Any]) -> Callable[..., Any]:
             async for chunk in original(generator):
                 sent += 1
                 yield chunk
-        except Exception as exc:  # end the stream with an error event, not a cut
+        except Exception as exc:  # noqa: BLE001 - any failure ends the stream with an error event, not a cut
             # 0.32 loses the GenerationError here (its error event fails validation
             # in pydantic-core, which drops the context): answer as vLLM would, 500.
             cause = _vllm_error_in(exc)

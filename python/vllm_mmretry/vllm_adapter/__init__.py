@@ -82,7 +82,8 @@ def vllm_logger(name: str) -> logging.Logger:
         from vllm.logger import init_logger
     except ImportError:
         return logging.getLogger(name)
-    return init_logger(name)
+    logger: logging.Logger = init_logger(name)
+    return logger
 
 
 def when_vllm_logging_ready(emit: Callable[[], None]) -> None:
@@ -118,11 +119,13 @@ def vllm_cli_main() -> Callable[[], None]:
     """vLLM's CLI entry (`vllm serve ...`)."""
     from vllm.entrypoints.cli.main import main
 
-    return main
+    cli_main: Callable[[], None] = main
+    return cli_main
 
 
 def vllm_platform_qualname() -> str:
     """The platform class vLLM's own detection picks (asks the `vllm` version)."""
     from vllm.platforms import resolve_current_platform_cls_qualname
 
-    return resolve_current_platform_cls_qualname()
+    qualname: str = resolve_current_platform_cls_qualname()
+    return qualname

@@ -8,8 +8,10 @@ is listed in `vllm_adapter.VERSION_MODULES`."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import argparse
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 # ------------------------------------------------------------ the Rust boundary
@@ -150,17 +152,52 @@ class SelfCheck:
                                             ("detok", self.detok)) if why is not None}
 
 
+# ------------------------------------------------------------ serving seams
+
+
+@dataclass(frozen=True)
+class RetrySeams:
+    """The classes and attribute names retry.py wraps."""
+
+    chat_serving: type[Any]  # OpenAIServingChat; entry: create_chat_completion
+    completion_serving: type[Any]  # OpenAIServingCompletion; entry: create_completion
+    pooling_serving: type[Any]  # PoolingBaseServing; entry: __call__ (embeddings, /v2/embed)
+    engine_client: type[Any]  # AsyncLLM; generate()
+    error_handlers: Any  # module whose generation_error_handler answers GenerationError
+    chat_entry: str = "create_chat_completion"
+    completion_entry: str = "create_completion"
+    pooling_entry: str = "__call__"
+    generate: str = "generate"
+    error_handler: str = "generation_error_handler"
+
+
+@dataclass
+class PoolingAttempt:
+    """One submission of a pooling request, not yet collected."""
+
+    io_processor: Any
+    ctx: Any  # the serving layer's per-request context (PoolingServeContext)
+
+
+# The merged (prompt index, PoolingRequestOutput) stream of a pooling attempt.
+PoolingResults = AsyncGenerator[tuple[int, Any], None]
+
+
 class VllmAdapter(abc.ABC):
     """What the rest of the package needs from one vLLM version.
 
     Output processor (output_processor.py): `core_spec`, `self_check`,
-    `new_request_state`, `fallback_reason`, `fast_spec`, `native_vocab`,
-    `update_streaming_request`, `processor_output`, `new_lora_states`,
-    `is_engine_core_request`, `is_parent_request`, `output_processor_patches`,
-    `process_outputs`, `streaming_input_collector`,
-    `engine_classes`, `engine_renderer`, `ensure_request_output_error`, `miss_error`.
-    Serving retry (retry.py): `retry_seams` and the render / pooling / error helpers.
+    `new_request_state`, `fallback_reason`, `fast_spec`, `request_identity`,
+    `native_vocab`, `update_streaming_request`, `processor_output`,
+    `new_lora_states`, `update_scheduler_stats`, `is_engine_core_request`,
+    `is_parent_request`, `output_processor_patches`, `process_outputs`,
+    `streaming_input_collector`, `engine_classes`, `engine_output_processor`,
+    `engine_renderer`, `ensure_request_output_error`, `miss_error`.
+    Plugin (plugin.py): `remove_request_output_error`.
+    Serving retry (retry.py): `retry_seams`, the generate-call, render, pooling and
+    error helpers.
     Fault switch (faults.py): `lru_receiver_cache`, `mm_cache_type_lookup`.
+    Doctor (doctor.py): `serve_parser`, `serve_cache_type`, `load_tokenizer`.
     """
 
     version: str = ""
@@ -185,6 +222,10 @@ class VllmAdapter(abc.ABC):
                   check: SelfCheck) -> FastSpec: ...
 
     @abc.abstractmethod
+    def request_identity(self, request: Any, state: Any) -> tuple[str, str, bool, bool]:
+        """(internal id, external id, resumable, is_pooling)."""
+
+    @abc.abstractmethod
     def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]: ...
 
     @abc.abstractmethod
@@ -206,6 +247,9 @@ class VllmAdapter(abc.ABC):
     def new_lora_states(self, log_stats: bool) -> Any: ...
 
     @abc.abstractmethod
+    def update_scheduler_stats(self, lora_states: Any, scheduler_stats: Any) -> None: ...
+
+    @abc.abstractmethod
     def is_engine_core_request(self, obj: Any) -> bool: ...
 
     @abc.abstractmethod
@@ -215,10 +259,18 @@ class VllmAdapter(abc.ABC):
     def ensure_request_output_error(self) -> None: ...
 
     @abc.abstractmethod
+    def remove_request_output_error(self) -> list[str]:
+        """Undo `ensure_request_output_error`; the labels of what was removed."""
+
+    @abc.abstractmethod
     def output_processor_patches(self, processor_cls: type) -> list[tuple[Any, str, Any]]: ...
 
     @abc.abstractmethod
-    def engine_classes(self) -> tuple[type, ...]: ...
+    def engine_classes(self) -> tuple[type[Any], ...]: ...
+
+    @abc.abstractmethod
+    def engine_output_processor(self, engine: Any) -> Any:
+        """The engine's output processor (None when it has none)."""
 
     @abc.abstractmethod
     def engine_renderer(self, engine: Any) -> Any: ...
@@ -228,11 +280,70 @@ class VllmAdapter(abc.ABC):
 
     # --- serving retry
     @abc.abstractmethod
-    def retry_seams(self) -> Any: ...
+    def retry_seams(self) -> RetrySeams: ...
+
+    @abc.abstractmethod
+    def generate_request_id(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The request id of an engine client `generate(*args, **kwargs)` call (None
+        when the call does not name one)."""
+
+    @abc.abstractmethod
+    def generate_with_prompt(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                             prompt: Any) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
+
+    @abc.abstractmethod
+    def retryable_request_error(self) -> type[Exception]: ...
+
+    @abc.abstractmethod
+    def generation_error(self) -> type[Exception]: ...
+
+    @abc.abstractmethod
+    def vllm_error(self) -> type[Exception]: ...
+
+    @abc.abstractmethod
+    def error_body(self, exc: Exception) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def render_chat(self, serving: Any, request: Any, skip_mm_cache: bool) -> list[Any]: ...
+
+    @abc.abstractmethod
+    async def render_completion(self, serving: Any, request: Any,
+                                skip_mm_cache: bool) -> list[Any]: ...
+
+    @abc.abstractmethod
+    async def pooling_submit(self, serving: Any, request: Any, raw_request: Any, *,
+                             skip_mm_cache: bool = False,
+                             request_id: str | None = None) -> PoolingAttempt: ...
+
+    @abc.abstractmethod
+    def pooling_request_id(self, attempt: PoolingAttempt) -> str: ...
+
+    @abc.abstractmethod
+    def wrap_pooling_results(self, attempt: PoolingAttempt,
+                             wrap: Callable[[PoolingResults], PoolingResults]) -> None: ...
+
+    @abc.abstractmethod
+    async def pooling_close(self, attempt: PoolingAttempt) -> None: ...
+
+    @abc.abstractmethod
+    async def pooling_finish(self, serving: Any, attempt: PoolingAttempt) -> Any: ...
+
+    @abc.abstractmethod
+    def responses_sse_writer(self) -> tuple[ModuleType, str]: ...
 
     # --- fault switch
     @abc.abstractmethod
-    def lru_receiver_cache(self) -> tuple[type, type[Exception]]: ...
+    def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]: ...
 
     @abc.abstractmethod
-    def mm_cache_type_lookup(self) -> tuple[Any, str]: ...
+    def mm_cache_type_lookup(self) -> tuple[ModuleType, str]: ...
+
+    # --- doctor
+    @abc.abstractmethod
+    def serve_parser(self) -> argparse.ArgumentParser: ...
+
+    @abc.abstractmethod
+    def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None: ...
+
+    @abc.abstractmethod
+    def load_tokenizer(self, source: str, mode: str, trust_remote_code: bool) -> Any: ...

@@ -4,12 +4,13 @@ seams). The rest of the package reaches vLLM only through `Adapter`."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import os
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from vllm.outputs import (
@@ -46,8 +47,11 @@ from vllm_mmretry.vllm_adapter.base import (
     CoreSpec,
     EcoFields,
     FastSpec,
-    OutputFields,
     NativeDetokSpec,
+    OutputFields,
+    PoolingAttempt,
+    PoolingResults,
+    RetrySeams,
     SelfCheck,
     VllmAdapter,
 )
@@ -61,7 +65,7 @@ OUTPUT_KIND_CODE = {
 StockOutputProcessor = _stock.OutputProcessor
 
 # EngineCoreOutput's fields in 0.32, in declaration order (slot order).
-ECO_STRUCT_FIELDS = (
+ECO_STRUCT_FIELDS: tuple[str, ...] = (
     "request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs_tensors",
     "pooling_output", "finish_reason", "stop_reason", "events", "kv_transfer_params",
     "ec_transfer_params", "trace_headers", "prefill_stats", "routed_experts",
@@ -97,7 +101,7 @@ CO_PER_REQUEST = ("index",)
 def ensure_request_output_error() -> None:
     """`RequestOutput.error` exists (class default None) on every output."""
     if "error" not in RequestOutput.__dict__:
-        RequestOutput.error = None  # type: ignore[attr-defined]
+        RequestOutput.error = None
 
 
 _stock_ro_init = RequestOutput.__init__
@@ -107,7 +111,7 @@ _stock_ro_add = RequestOutput.add
 @functools.wraps(_stock_ro_init)
 def _ro_init(self: RequestOutput, *args: Any, error: RequestError | None = None, **kwargs: Any) -> None:
     _stock_ro_init(self, *args, **kwargs)
-    self.error = error  # type: ignore[attr-defined]
+    self.error = error
 
 
 @functools.wraps(_stock_ro_add)
@@ -116,7 +120,7 @@ def _ro_add(self: RequestOutput, next_output: RequestOutput, aggregate: bool) ->
     # A merged delta keeps the terminal error (only the last output carries one).
     error = getattr(next_output, "error", None)
     if error is not None:
-        self.error = error  # type: ignore[attr-defined]
+        self.error = error
 
 
 def miss_error(hashes: list[str]) -> RequestError:
@@ -251,7 +255,8 @@ def _error_output(
     delta = req_state.output_kind == RequestOutputKind.DELTA
     text = detok.get_next_output_text(True, delta)
     if delta:
-        token_ids = detok.output_token_ids[req_state.sent_tokens_offset:] if req_state.stream_interval > 1 else list(eco.new_token_ids)
+        token_ids = (detok.output_token_ids[req_state.sent_tokens_offset:]
+                     if req_state.stream_interval > 1 else list(eco.new_token_ids))
     else:
         token_ids = detok.output_token_ids
     completion = CompletionOutput(
@@ -280,7 +285,7 @@ def _error_output(
         kv_transfer_params=eco.kv_transfer_params,
         ec_transfer_params=eco.ec_transfer_params,
     )
-    out.error = miss_error(list(eco.mm_cache_miss_hashes or ()))  # type: ignore[attr-defined]
+    out.error = miss_error(list(eco.mm_cache_miss_hashes or ()))
     return out
 
 
@@ -327,7 +332,7 @@ def _finished_stats_fn(tracing_enabled: bool) -> Any:
             req_state.parent_req, iteration_stats, req_state.stats.num_generation_tokens
         )
         if tracing_enabled:
-            StockOutputProcessor.do_tracing(None, eco, req_state, iteration_stats)  # type: ignore[arg-type]
+            StockOutputProcessor.do_tracing(None, eco, req_state, iteration_stats)
 
     return finished_stats
 
@@ -471,22 +476,6 @@ def check_finish_reasons() -> str | None:
 
 # --------------------------------------------------------------- serving seams
 
-@dataclass(frozen=True)
-class RetrySeams:
-    """The classes and attribute names retry.py wraps."""
-
-    chat_serving: type  # OpenAIServingChat; entry: create_chat_completion
-    completion_serving: type  # OpenAIServingCompletion; entry: create_completion
-    pooling_serving: type  # PoolingBaseServing; entry: __call__ (embeddings, /v2/embed)
-    engine_client: type  # AsyncLLM; generate()
-    error_handlers: Any  # module whose generation_error_handler answers GenerationError
-    chat_entry: str = "create_chat_completion"
-    completion_entry: str = "create_completion"
-    pooling_entry: str = "__call__"
-    generate: str = "generate"
-    error_handler: str = "generation_error_handler"
-
-
 def _rendered_or_raise(result: Any) -> Any:
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
     from vllm.exceptions import GenerationError
@@ -510,20 +499,13 @@ class _SkipMMCacheIO:
                 for params in self._inner.get_request_factory_online(ctx)]
 
 
-@dataclass
-class PoolingAttempt:
-    io_processor: Any
-    ctx: Any  # PoolingServeContext
-
-
 # ------------------------------------------------------------------- the adapter
 
 class Adapter(VllmAdapter):
     """vLLM 0.32.x."""
 
     version = "0.32.0"
-    ECO_STRUCT_FIELDS = ECO_STRUCT_FIELDS
-    RetrySeams = RetrySeams
+    ECO_STRUCT_FIELDS: tuple[str, ...] = ECO_STRUCT_FIELDS
     MISS_CODE = MISS_CODE
 
     # --- output processor ---------------------------------------------------
@@ -569,12 +551,14 @@ class Adapter(VllmAdapter):
                         engine_core_timestamp: float | None, iteration_stats: Any,
                         weight_version: str | None) -> tuple[list[Any], list[Any]]:
         """One `process_outputs` step: (request_outputs, reqs_to_abort)."""
-        return core.process(engine_core_outputs, engine_core_timestamp, iteration_stats,
-                            weight_version)
+        outs: tuple[list[Any], list[Any]] = core.process(
+            engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
+        return outs
 
     def streaming_input_collector(self) -> type:
         """The collector AsyncLLM gives a streaming-input request."""
-        return RequestOutputCollector
+        collector: type = RequestOutputCollector
+        return collector
 
     def new_request_state(self, tokenizer: Any, request: Any, prompt: str | None, parent_req: Any,
                           request_index: int, queue: Any, log_stats: bool,
@@ -701,7 +685,7 @@ class Adapter(VllmAdapter):
             (llm_engine, "OutputProcessor", processor_cls),
         ]
 
-    def engine_classes(self) -> tuple[type, ...]:
+    def engine_classes(self) -> tuple[type[Any], ...]:
         from vllm.v1.engine import async_llm, llm_engine
 
         return (async_llm.AsyncLLM, llm_engine.LLMEngine)
@@ -716,7 +700,7 @@ class Adapter(VllmAdapter):
         return miss_error(hashes)
 
     # --- fault switch -------------------------------------------------------
-    def lru_receiver_cache(self) -> tuple[type, type[Exception]]:
+    def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]:
         """The engine core's P1 receiver cache class for `lru` and the error it raises
         on a miss (vLLM turns it into `EngineCoreOutput.mm_cache_miss_hashes`)."""
         from vllm.multimodal.cache.base import MultiModalCacheMissError
@@ -725,14 +709,15 @@ class Adapter(VllmAdapter):
         return LruKeyReplicatedReceiverCache, MultiModalCacheMissError
 
     # --- doctor
-    def serve_parser(self) -> Any:
+    def serve_parser(self) -> argparse.ArgumentParser:
         """`vllm serve`'s own argument parser."""
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        return parser
 
-    def serve_cache_type(self, args: Any, api_servers: int) -> str | None:
+    def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None:
         """The multimodal cache type `vllm serve` with `args` picks in an API server."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -753,11 +738,11 @@ class Adapter(VllmAdapter):
     def remove_request_output_error(self) -> list[str]:
         """Drop the `RequestOutput.error` class default `ensure_request_output_error` added."""
         if "error" in RequestOutput.__dict__ and RequestOutput.__dict__["error"] is None:
-            del RequestOutput.error  # type: ignore[attr-defined]
+            del RequestOutput.error
             return ["RequestOutput.error"]
         return []
 
-    def mm_cache_type_lookup(self) -> tuple[Any, str]:
+    def mm_cache_type_lookup(self) -> tuple[ModuleType, str]:
         """(module, function name) of the lookup every multimodal cache factory calls to
         pick `lru` / `shm` / `processor_only` / None for this process's config."""
         from vllm.multimodal.cache import factories
@@ -777,8 +762,9 @@ class Adapter(VllmAdapter):
 
     # AsyncLLM.generate(prompt, sampling_params, request_id, *, ...)
     @staticmethod
-    def generate_request_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return args[2] if len(args) > 2 else kwargs.get("request_id")
+    def generate_request_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        request_id: str | None = args[2] if len(args) > 2 else kwargs.get("request_id")
+        return request_id
 
     @staticmethod
     def generate_with_prompt(args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -793,20 +779,23 @@ class Adapter(VllmAdapter):
         """vLLM's exception for a transient request failure (HTTP 503)."""
         from vllm.exceptions import RetryableRequestError
 
-        return RetryableRequestError
+        error: type[Exception] = RetryableRequestError
+        return error
 
     @staticmethod
     async def render_chat(serving: Any, request: Any, skip_mm_cache: bool) -> list[Any]:
         """Engine inputs of a chat request, as OpenAIServingChat renders them."""
         result = await serving.online_renderer.render_chat(request, skip_mm_cache=skip_mm_cache)
-        return _rendered_or_raise(result)[1]
+        engine_inputs: list[Any] = _rendered_or_raise(result)[1]
+        return engine_inputs
 
     @staticmethod
     async def render_completion(serving: Any, request: Any, skip_mm_cache: bool) -> list[Any]:
         """Engine inputs of a completion request (one per prompt)."""
         result = await serving.online_renderer.render_completion(
             request, skip_mm_cache=skip_mm_cache)
-        return _rendered_or_raise(result)
+        engine_inputs: list[Any] = _rendered_or_raise(result)
+        return engine_inputs
 
     @staticmethod
     async def pooling_submit(serving: Any, request: Any, raw_request: Any, *,
@@ -824,10 +813,12 @@ class Adapter(VllmAdapter):
 
     @staticmethod
     def pooling_request_id(attempt: PoolingAttempt) -> str:
-        return attempt.ctx.request_id
+        request_id: str = attempt.ctx.request_id
+        return request_id
 
     @staticmethod
-    def wrap_pooling_results(attempt: PoolingAttempt, wrap: Callable[[Any], Any]) -> None:
+    def wrap_pooling_results(attempt: PoolingAttempt,
+                             wrap: Callable[[PoolingResults], PoolingResults]) -> None:
         """Interpose on the merged (index, PoolingRequestOutput) stream."""
         attempt.ctx.result_generator = wrap(attempt.ctx.result_generator)
 
@@ -846,7 +837,7 @@ class Adapter(VllmAdapter):
         return await serving._postprocessing_async(attempt.io_processor, attempt.ctx)
 
     @staticmethod
-    def responses_sse_writer() -> tuple[Any, str]:
+    def responses_sse_writer() -> tuple[ModuleType, str]:
         """(module, name) of the function that turns the Responses event stream into SSE.
 
         vLLM 0.32's Responses stream answers a GenerationError by validating vLLM's error
@@ -858,19 +849,21 @@ class Adapter(VllmAdapter):
     @staticmethod
     def error_body(exc: Exception) -> dict[str, Any]:
         """vLLM's usual error body for `exc` ({"error": {message, type, code, param}})."""
-        from vllm.entrypoints.serve.exception_handling.error_response import (
-            create_error_response)
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        return create_error_response(exc).model_dump()
+        body: dict[str, Any] = create_error_response(exc).model_dump()
+        return body
 
     @staticmethod
     def generation_error() -> type[Exception]:
         from vllm.exceptions import GenerationError
 
-        return GenerationError
+        error: type[Exception] = GenerationError
+        return error
 
     @staticmethod
     def vllm_error() -> type[Exception]:
         from vllm.exceptions import VLLMError
 
-        return VLLMError
+        error: type[Exception] = VLLMError
+        return error

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any
 
+from vllm.outputs import RequestError
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.output_processor import (
     EMPTY_CPU_TENSOR,
@@ -37,10 +38,10 @@ from vllm.v1.metrics.stats import IterationStats, LoRARequestStates
 
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import v0_32
-from vllm_mmretry.vllm_adapter.base import CoreSpec
+from vllm_mmretry.vllm_adapter.base import CoreSpec, SelfCheck
 
 # EngineCoreOutput's fields in 0.33, in declaration order (slot order).
-ECO_STRUCT_FIELDS = v0_32.ECO_STRUCT_FIELDS + ("error",)
+ECO_STRUCT_FIELDS: tuple[str, ...] = (*v0_32.ECO_STRUCT_FIELDS, "error")
 # Finish reasons that end a streaming-input request instead of a chunk.
 _ENDS_STREAMING_INPUT = (FinishReason.ABORT, FinishReason.ERROR)
 _error_of = attrgetter("error")
@@ -87,7 +88,7 @@ def _fallback_step(
     request_error = None
     if req_state.detokenizer is None and eco.mm_cache_miss_hashes and finish_reason == FinishReason.ERROR:
         # Pooling: stock behaviour (PoolingRequestOutput.error, retryable).
-        request_error = v0_32.RequestError(
+        request_error = RequestError(
             code=v0_32.MISS_CODE, message="Multi-modal processor cache miss.", retryable=True
         )
         pooling_output = EMPTY_CPU_TENSOR
@@ -153,7 +154,7 @@ class Adapter(v0_32.Adapter):
     version = "0.33.0"
     ECO_STRUCT_FIELDS = ECO_STRUCT_FIELDS
 
-    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: Any) -> CoreSpec:
+    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec:
         step = StepState()
         spec = super().core_spec(lora_states, tracing_enabled, check)
         helpers = replace(spec.helpers, fallback_step=functools.partial(_fallback_step, step))
@@ -203,7 +204,8 @@ class Adapter(v0_32.Adapter):
         return outs, aborts
 
     def streaming_input_collector(self) -> type:
-        return StreamingInputOutputCollector
+        collector: type = StreamingInputOutputCollector
+        return collector
 
     def engine_renderer(self, engine: Any) -> Any:
         """What the output loop invalidates missed hashes in: nothing on AsyncLLM
