@@ -39,7 +39,7 @@ $(STAMP)/package: $(STAMP)/vllm $(RUST_SRC)
 demo: setup
 	$(VPY) tools/demo.py
 
-test: setup test-rust test-py test-033
+test: setup lint test-rust test-py test-033
 
 # The Rust detokenizer tests compare against the real vocabularies: build them first.
 vocabs: setup
