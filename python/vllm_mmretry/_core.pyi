@@ -59,7 +59,8 @@ class OutputCore:
     def queues(self) -> list[Any | None]: ...
     def num_queued_tokens(self) -> int: ...
     def counters(self) -> dict[str, Any]:
-        """fast_steps, fallback_steps, invalidations, fallbacks {reason: n},
+        """fast_steps, fallback_steps, invalidations, failed_steps (requests failed by a
+        caught panic in their step), fallbacks {reason: n},
         native_detok (requests), python_detok {reason: n} (fast requests)."""
 
 # --- native incremental detokenizer (rust/src/detok.rs) ---------------------------

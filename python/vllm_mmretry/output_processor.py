@@ -8,6 +8,12 @@ What changes compared to stock vLLM 0.32:
   `reqs_to_abort`, in the engine core) and the parent gets exactly that one output;
 - every missing hash of a step is invalidated in P0's sender cache once, before
   any output of the step is published.
+- a bug in the native loop (a Rust panic) in one request's step fails that
+  request only: one terminal output with `error=RequestError(code="internal_error",
+  retryable=False)` (n>1: to the parent, siblings aborted), its ids in
+  `reqs_to_abort`; the step goes on for the other requests and returns normally
+  (raising would make AsyncLLM's output handler fail every request).
+  VLLM_MMRETRY_TEST_PANIC_ON_REQUEST=<id>[,<id>...] forces it, for tests.
 Everything else produces the outputs stock vLLM produces (tests/test_differential*).
 
 Speed: requests without per-request Python features run the fast loop in Rust.

@@ -70,6 +70,7 @@ class CoreHelpers:
     error_output: Callable[..., Any]  # (state, eco, ts, stats, weight_version, lora_states)
     finished_stats: Callable[..., Any]  # (lora_states, stats, state, finish_reason, eco)
     adopt_native: Callable[..., Any]  # (state, output_token_ids, last_output_text_offset)
+    failed_output: Callable[..., Any]  # (state, message) -> terminal error output
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.outputs import (
     STREAM_FINISHED,
     CompletionOutput,
@@ -289,6 +290,50 @@ def _error_output(
     return out
 
 
+INTERNAL_ERROR_CODE = "internal_error"
+_logger = init_logger("vllm.vllm_mmretry.output_processor")
+
+
+def _failed_output(req_state: RequestState, message: str) -> Any:
+    """The one terminal output of a request whose step failed inside the core (a
+    caught panic): finish_reason "error" and a RequestError that is not retryable.
+    It carries no new tokens and no text: the request's progress in the failed step
+    cannot be trusted. For n>1 it is the parent's answer (siblings are aborted)."""
+    _logger.error(
+        "vllm-mmretry: request %s failed inside the output processor: %s",
+        req_state.request_id, message)
+    error = RequestError(code=INTERNAL_ERROR_CODE, message=message, retryable=False)
+    if req_state.detokenizer is None:  # pooling: vLLM's own error output
+        return req_state.make_request_output(
+            new_token_ids=[], pooling_output=EMPTY_CPU_TENSOR, finish_reason=FinishReason.ERROR,
+            stop_reason=None, error=error)
+    logprobs = req_state.logprobs_processor
+    completion = CompletionOutput(
+        index=req_state.request_index,
+        text="",
+        token_ids=[],
+        cumulative_logprob=None if logprobs is None else logprobs.cumulative_logprob,
+        logprobs=None,
+        finish_reason=str(FinishReason.ERROR),
+        stop_reason=None,
+    )
+    parent = req_state.parent_req
+    out = RequestOutput(
+        request_id=parent.external_req_id if parent is not None else req_state.external_req_id,
+        prompt=req_state.prompt,
+        prompt_token_ids=req_state.prompt_token_ids,
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=True,
+        metrics=req_state.stats,
+        lora_request=req_state.lora_request,
+        num_cached_tokens=req_state.num_cached_tokens,
+        num_cache_creation_tokens=req_state.num_cache_creation_tokens,
+    )
+    out.error = error
+    return out
+
+
 def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_output_offset: int) -> None:
     """Replay a native request's output ids into its (untouched) stock
     detokenizer, so vLLM's Python code can continue it. The stock update runs
@@ -544,7 +589,7 @@ class Adapter(VllmAdapter):
         return CoreHelpers(
             fallback_step=_fallback_step, abort_output=_abort_output,
             error_output=_error_output, finished_stats=_finished_stats_fn(tracing_enabled),
-            adopt_native=_adopt_native,
+            adopt_native=_adopt_native, failed_output=_failed_output,
         )
 
     def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,

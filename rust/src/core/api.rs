@@ -54,6 +54,7 @@ impl OutputCore {
                     error_output: callable("error_output", h.error_output)?,
                     finished_stats: callable("finished_stats", h.finished_stats)?,
                     adopt_native: callable("adopt_native", h.adopt_native)?,
+                    failed_output: callable("failed_output", h.failed_output)?,
                 },
                 lora_states: spec.lora_states.unbind(),
                 mm_cache_source: None,
@@ -66,6 +67,8 @@ impl OutputCore {
                 native_requests: 0,
                 python_detok: BTreeMap::new(),
                 ids_buf: Vec::new(),
+                test_panic_on: test_panic_ids(),
+                failed_steps: 0,
             })
         })
     }
@@ -325,7 +328,7 @@ impl OutputCore {
                 };
                 let result = (|| {
                     for eco in ecos.iter() {
-                        self.step_one(py, &eco, &cx)?;
+                        self.step_one_recovering(py, &eco, &cx)?;
                     }
                     Ok::<(), PyErr>(())
                 })();
@@ -490,6 +493,7 @@ impl OutputCore {
             d.set_item("fast_steps", self.fast_steps)?;
             d.set_item("fallback_steps", self.fallback_steps)?;
             d.set_item("invalidations", self.invalidations)?;
+            d.set_item("failed_steps", self.failed_steps)?;
             let fb = PyDict::new(py);
             for (k, v) in &self.fallbacks {
                 fb.set_item(k, v)?;

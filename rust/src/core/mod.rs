@@ -69,13 +69,9 @@ fn detok_err(e: DetokError) -> PyErr {
 /// this call instead of unwinding through the interpreter.
 fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
-        let msg = p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_default();
         pyo3::exceptions::PyRuntimeError::new_err(format!(
-            "vllm_mmretry core failed in {what}: {msg}"
+            "vllm_mmretry core failed in {what}: {}",
+            panic_message(p.as_ref())
         ))
     })
 }
@@ -250,6 +246,7 @@ struct HelperSpec<'py> {
     error_output: Bound<'py, PyAny>,
     finished_stats: Bound<'py, PyAny>,
     adopt_native: Bound<'py, PyAny>,
+    failed_output: Bound<'py, PyAny>,
 }
 
 /// `vllm_adapter.base.FastSpec`: how one request runs on the fast path.
@@ -292,6 +289,9 @@ struct Helpers {
     finished_stats: Py<PyAny>,
     /// `adopt_native(state, output_token_ids, last_output_text_offset)`.
     adopt_native: Py<PyAny>,
+    /// `failed_output(state, message)`: the terminal error output of a request
+    /// whose step panicked.
+    failed_output: Py<PyAny>,
 }
 
 #[pyclass(module = "vllm_mmretry._core")]
@@ -314,6 +314,32 @@ pub struct OutputCore {
     /// Fast requests detokenized in Python, by reason.
     python_detok: BTreeMap<String, u64>,
     ids_buf: Vec<u32>,
+    /// Requests whose step panics on purpose (tests: `TEST_PANIC_ENV`).
+    test_panic_on: Vec<String>,
+    /// Requests failed by a caught panic in their step.
+    failed_steps: u64,
+}
+
+/// Tests only: comma-separated request ids whose per-request step panics, read
+/// once per processor, to exercise the recovery in `process`.
+const TEST_PANIC_ENV: &str = "VLLM_MMRETRY_TEST_PANIC_ON_REQUEST";
+
+fn test_panic_ids() -> Vec<String> {
+    std::env::var(TEST_PANIC_ENV)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The message of a caught panic payload.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
 }
 
 macro_rules! s {

@@ -196,6 +196,66 @@ impl OutputCore {
         Ok(())
     }
 
+    /// `step_one`, recovering from a panic in it: the request of that output, if
+    /// still tracked (its terminal output not yet published), is failed, and the
+    /// step goes on with the other requests. Raising instead would make AsyncLLM's
+    /// output handler fail every request of the engine.
+    pub(super) fn step_one_recovering<'py>(
+        &mut self,
+        py: Python<'py>,
+        eco: &Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+    ) -> PyResult<()> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step_one(py, eco, cx)))
+        {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = format!(
+                    "internal error in vllm-mmretry's output processor: {}",
+                    panic_message(p.as_ref())
+                );
+                self.fail_request(py, eco, cx, &msg)
+            }
+        }
+    }
+
+    /// Take the request of `eco` out of the table after its step failed: its
+    /// (n>1: its parent's) one terminal error output, its siblings aborted, and
+    /// its id listed for the engine core to stop.
+    fn fail_request<'py>(
+        &mut self,
+        py: Python<'py>,
+        eco: &Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+        msg: &str,
+    ) -> PyResult<()> {
+        let rid_obj = self.eco.get(&self.eco.view(eco), F::RequestId)?;
+        let rid: String = rid_obj.extract()?;
+        let Some(req) = self.table.remove(&rid) else {
+            return Ok(()); // finished (terminal output published) before the panic
+        };
+        self.failed_steps += 1;
+        Self::sync_state(py, &req)?;
+        if let Some(p) = &req.parent {
+            let p = p.bind(py);
+            p.getattr(s!(py, "child_requests"))?
+                .call_method1(s!(py, "discard"), (rid.as_str(),))?;
+            self.abort_siblings(py, p, cx.aborts)?;
+        }
+        self.lora_states.bind(py).call_method1(
+            s!(py, "request_finished"),
+            (req.id.bind(py), req.lora_name.bind(py)),
+        )?;
+        cx.aborts.append(req.id.bind(py))?;
+        let out = self
+            .helpers
+            .failed_output
+            .bind(py)
+            .call1((req.state.bind(py), msg))?;
+        self.publish(py, &req, out, cx.outs)?;
+        self.forget_parent_if_done(py, &req)
+    }
+
     pub(super) fn step_one<'py>(
         &mut self,
         py: Python<'py>,
@@ -239,6 +299,9 @@ impl OutputCore {
             let m = self.eco.get(&ev, F::MmCacheMissHashes)?;
             !m.is_none() && m.is_truthy()?
         };
+        if self.test_panic_on.iter().any(|t| t == rid_s) {
+            panic!("forced by {TEST_PANIC_ENV} for request {rid_s}");
+        }
         let req = self.table.get(slot).unwrap();
         if miss && !req.is_pooling {
             return self.step_miss(py, slot, eco, cx, rid_s, &fr_obj);
