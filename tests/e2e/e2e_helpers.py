@@ -22,6 +22,7 @@ if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
 
 import servers  # noqa: E402
+import tiny_model  # noqa: E402, F401 - re-exported for the conftest fixtures
 
 # Markers the tests look for in the server log.
 ENGINE_MISS = "Multi-modal cache miss for request"  # vllm/v1/engine/core.py

@@ -19,6 +19,7 @@ for path in (TOOLS, E2E):
         sys.path.insert(0, str(path))
 
 import mock_serve  # noqa: E402
+import tiny_model  # noqa: E402, F401 - re-exported for the conftest fixtures
 from e2e_helpers import (  # noqa: E402,F401  (shared with the 0.32 e2e tests)
     MAX_TOKENS,
     chat_body,
