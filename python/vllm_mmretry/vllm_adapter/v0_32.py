@@ -271,6 +271,14 @@ def _error_output(
         # As stock's terminal outputs: the weight versions the tokens came from.
         weight_versions=req_state._weight_version_spans(),
     )
+    return _terminal_error_output(req_state, completion, miss_error(list(eco.mm_cache_miss_hashes or ())),
+                                  eco.kv_transfer_params, eco.ec_transfer_params)
+
+
+def _terminal_error_output(req_state: RequestState, completion: CompletionOutput, error: RequestError,
+                           kv_transfer_params: Any = None, ec_transfer_params: Any = None) -> RequestOutput:
+    """The request's finished RequestOutput holding `completion` and carrying `error`
+    (for n>1: the parent's answer)."""
     parent = req_state.parent_req
     out = RequestOutput(
         request_id=parent.external_req_id if parent is not None else req_state.external_req_id,
@@ -283,10 +291,10 @@ def _error_output(
         lora_request=req_state.lora_request,
         num_cached_tokens=req_state.num_cached_tokens,
         num_cache_creation_tokens=req_state.num_cache_creation_tokens,
-        kv_transfer_params=eco.kv_transfer_params,
-        ec_transfer_params=eco.ec_transfer_params,
+        kv_transfer_params=kv_transfer_params,
+        ec_transfer_params=ec_transfer_params,
     )
-    out.error = miss_error(list(eco.mm_cache_miss_hashes or ()))
+    out.error = error
     return out
 
 
@@ -317,21 +325,7 @@ def _failed_output(req_state: RequestState, message: str) -> Any:
         finish_reason=str(FinishReason.ERROR),
         stop_reason=None,
     )
-    parent = req_state.parent_req
-    out = RequestOutput(
-        request_id=parent.external_req_id if parent is not None else req_state.external_req_id,
-        prompt=req_state.prompt,
-        prompt_token_ids=req_state.prompt_token_ids,
-        prompt_logprobs=None,
-        outputs=[completion],
-        finished=True,
-        metrics=req_state.stats,
-        lora_request=req_state.lora_request,
-        num_cached_tokens=req_state.num_cached_tokens,
-        num_cache_creation_tokens=req_state.num_cache_creation_tokens,
-    )
-    out.error = error
-    return out
+    return _terminal_error_output(req_state, completion, error)
 
 
 def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_output_offset: int) -> None:
