@@ -22,6 +22,7 @@ inherited from `v0_32`). See docs/vllm-0.33-seams.md for the line-by-line readin
 
 from __future__ import annotations
 
+import argparse
 import functools
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
@@ -154,6 +155,15 @@ class Adapter(v0_32.Adapter):
     version = "0.33.0"
     ECO_STRUCT_FIELDS = ECO_STRUCT_FIELDS
 
+
+    # --- doctor
+    def serve_parser(self) -> argparse.ArgumentParser:
+        """`vllm serve`'s own argument parser (0.33 moved it to entrypoints.common)."""
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        return parser
     def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec:
         step = StepState()
         spec = super().core_spec(lora_states, tracing_enabled, check)
