@@ -47,6 +47,7 @@ REAL_ENGINE = (
     "tests/test_retry_generate.py",
     "tests/test_retry_pooling.py",
     "tests/test_plugin.py::test_plugin_active_in_api_server_and_engine_core_of_a_running_server",
+    "tests/test_install_api.py::test_custom_engine_example_runs",
 )
 # Tests whose subject is the plugin at work inside the installed vLLM (its output
 # processor and serving retry against that vLLM's own): they apply where the installed

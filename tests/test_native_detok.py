@@ -298,7 +298,7 @@ def test_bad_input_raises_python_exceptions(llama: Vocab) -> None:
     assert _core.native_detok_fallback_reason(["x", ""]) == "empty_stop_string"
     assert _core.native_detok_fallback_reason(["x"]) is None
     d = _core.NativeDetokenizer(llama.native, [1])
-    with pytest.raises(OverflowError):
+    with pytest.raises(ValueError, match="outside"):
         d.update([-1], False)
     with pytest.raises(TypeError):
         d.update(["a"], False)  # type: ignore[list-item]
