@@ -118,7 +118,7 @@ def test_exhaustion_is_logged_at_most_once_per_window() -> None:
 
 def test_defaults_are_documented_values() -> None:
     c = budget.config_from_env({})
-    assert (c.ratio, c.min_retries, c.window_s) == (0.2, 10, 10.0)
+    assert (c.ratio, c.min_retries, c.window_s) == (0.2, 100, 10.0)
 
 
 def test_env_settings_are_read() -> None:

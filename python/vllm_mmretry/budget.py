@@ -21,7 +21,8 @@ Settings (each API server process has its own budget):
 - `VLLM_MMRETRY_RETRY_BUDGET_RATIO`        share of requests that may retry, 0..1
                                            (default 0.2; 1 = every request may retry)
 - `VLLM_MMRETRY_RETRY_BUDGET_MIN_RETRIES`  retries always allowed per window, an
-                                           integer >= 0 (default 10)
+                                           integer >= 0 (default 100: Finagle's
+                                           10 per second over its 10 s window)
 - `VLLM_MMRETRY_RETRY_BUDGET_WINDOW_S`     window length in seconds, 1..3600
                                            (default 10)
 
@@ -52,7 +53,8 @@ class BudgetConfigError(ValueError):
 @dataclass(frozen=True)
 class BudgetConfig:
     ratio: float = 0.2
-    min_retries: int = 10
+    # Finagle's default reserve: minRetriesPerSec=10 over its ttl of 10 s.
+    min_retries: int = 100
     window_s: float = 10.0
 
 
