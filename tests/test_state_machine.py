@@ -47,18 +47,9 @@ STOPS = ["zebra", "dog", "\n\n", "a z"]
 
 
 def _shared(n: Any) -> Any:
-    """norm() without the `error` field: what stock and ours share on a miss.
-    Also reads an empty `weight_versions` as None: on a miss without tokens stock
-    gives [] and ours None (a known core difference, pinned by
-    test_known_core_differences_on_a_miss)."""
+    """norm() without the `error` field: what stock and ours share on a miss."""
     name, fields = n
-
-    def completion(c: Any) -> Any:
-        cname, cfields = c
-        return cname, tuple((k, (v or None) if k == "weight_versions" else v) for k, v in cfields)
-
-    return name, tuple((k, [completion(c) for c in v] if k == "outputs" else v)
-                       for k, v in fields if k != "error")
+    return name, tuple((k, v) for k, v in fields if k != "error")
 
 
 class OutputProcessorMachine(RuleBasedStateMachine):
@@ -95,19 +86,12 @@ class OutputProcessorMachine(RuleBasedStateMachine):
         return ours
 
     def _check_aborts(self, side: Side, before: set[str], finished_by_engine: set[str],
-                      reqs_to_abort: list[str], missed_siblings: bool = False) -> None:
-        """`reqs_to_abort` is what left the table without the engine finishing it.
-        Known core difference (`missed_siblings`): a sibling the engine finished in
-        the same step, listed after the miss, is in ours too (harmless for the
-        engine; pinned by test_known_core_differences_on_a_miss)."""
+                      reqs_to_abort: list[str]) -> None:
+        """`reqs_to_abort` is exactly what left the table without the engine finishing it."""
         left = before - self._tracked(side)
         must_stop = left - finished_by_engine
         assert len(reqs_to_abort) == len(set(reqs_to_abort)), reqs_to_abort
-        if missed_siblings:
-            assert must_stop <= set(reqs_to_abort), (reqs_to_abort, must_stop)
-            assert set(reqs_to_abort) - must_stop <= finished_by_engine & left
-        else:
-            assert set(reqs_to_abort) == must_stop, (reqs_to_abort, must_stop)
+        assert set(reqs_to_abort) == must_stop, (reqs_to_abort, must_stop)
 
     # ------------------------------------------------------------------ rules
     @rule(n=st.sampled_from([1, 1, 2, 3]), kind=st.sampled_from(list(RequestOutputKind)),
@@ -152,14 +136,14 @@ class OutputProcessorMachine(RuleBasedStateMachine):
         _, ours_abort = self.ours.step(ecos)
         self._check_aborts(self.stock, before_stock, finished_by_engine, stock_abort)
         multi = {r for r in missed if len(self.children[r]) > 1}
-        self._check_aborts(self.ours, before_ours, finished_by_engine, ours_abort, bool(multi))
+        self._check_aborts(self.ours, before_ours, finished_by_engine, ours_abort)
         if not missed:
             assert ours_abort == stock_abort
         else:
             # Ours also stops the siblings of a missed child; stock leaves them running.
             siblings = {c for r in missed for c in self.children[r] if c in self.engine
                         and c not in finished_by_engine}
-            assert siblings | set(stock_abort) <= set(ours_abort)
+            assert set(ours_abort) == siblings | set(stock_abort)
         stock_out, ours_out = self.stock.drain(), self.ours.drain()
         for rid in set(stock_out) | set(ours_out):
             mine, theirs = ours_out.get(rid), stock_out.get(rid)
@@ -259,22 +243,33 @@ def test_output_processor_state_machine(tiny_tokenizer: Any, seedless: None) -> 
     test_case().runTest()
 
 
-@pytest.mark.xfail(strict=True, reason="core.rs (not in this branch): on a miss of an n>1 "
-                   "child, a sibling the engine finished later in the same step is still "
-                   "put in reqs_to_abort; a miss without tokens has weight_versions None "
-                   "where stock has []")
-def test_known_core_differences_on_a_miss(tiny_tokenizer: Any) -> None:
+def test_sibling_the_engine_finished_in_the_miss_step_is_not_aborted(tiny_tokenizer: Any) -> None:
+    """reqs_to_abort is what the engine must still stop: a sibling whose finished
+    output follows the miss in the same step is already stopped."""
     ours = Side(OutputProcessor(tiny_tokenizer, log_stats=False), True)
-    stock = Side(StockOutputProcessor(tiny_tokenizer, log_stats=False), True)
     ids = ours.add(ReqSpec("r", "e", [1, 2], n=3))
     miss = eco(ids[1], [], FinishReason.ERROR, mm_cache_miss_hashes=["h"])
     _, reqs_to_abort = ours.step([miss, eco(ids[0], [450], FinishReason.LENGTH)])
+    assert reqs_to_abort == [ids[2]]
+    assert not ours.op.has_unfinished_requests() and not ours.op.parent_requests
+
+
+def test_sibling_still_running_after_the_miss_step_is_aborted(tiny_tokenizer: Any) -> None:
+    ours = Side(OutputProcessor(tiny_tokenizer, log_stats=False), True)
+    ids = ours.add(ReqSpec("r", "e", [1, 2], n=3))
+    miss = eco(ids[1], [], FinishReason.ERROR, mm_cache_miss_hashes=["h"])
+    _, reqs_to_abort = ours.step([miss, eco(ids[0], [450], None)])
+    assert sorted(reqs_to_abort) == sorted([ids[0], ids[2]])
+
+
+def test_miss_without_tokens_has_stocks_weight_versions(tiny_tokenizer: Any) -> None:
     weight_versions = []
-    for side in (ours, stock):
+    for side in (Side(OutputProcessor(tiny_tokenizer, log_stats=False), True),
+                 Side(StockOutputProcessor(tiny_tokenizer, log_stats=False), True)):
         side.add(ReqSpec("s", "f", [1, 2]))
         side.step([eco("s", [], FinishReason.ERROR, mm_cache_miss_hashes=["h"])])
         weight_versions.append(side.drain()["s"].outputs[0].weight_versions)
-    assert reqs_to_abort == [ids[2]] and weight_versions[0] == weight_versions[1]
+    assert weight_versions[0] == weight_versions[1]
 
 
 def test_parent_dropped_after_external_abort(tiny_tokenizer: Any) -> None:

@@ -69,6 +69,7 @@ impl OutputCore {
                 ids_buf: Vec::new(),
                 test_panic_on: test_panic_ids(),
                 failed_steps: 0,
+                step_sibling_aborts: Vec::new(),
             })
         })
     }
@@ -326,12 +327,14 @@ impl OutputCore {
                     outs: &outs,
                     aborts: &aborts,
                 };
+                self.step_sibling_aborts.clear();
                 let result = (|| {
                     for eco in ecos.iter() {
                         self.step_one_recovering(py, &eco, &cx)?;
                     }
                     Ok::<(), PyErr>(())
                 })();
+                self.step_sibling_aborts.clear();
                 // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
                 // after process_outputs and would invalidate them a second time. Clearing
                 // the field (instead of patching those loops) keeps that code stock.

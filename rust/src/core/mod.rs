@@ -318,6 +318,9 @@ pub struct OutputCore {
     test_panic_on: Vec<String>,
     /// Requests failed by a caught panic in their step.
     failed_steps: u64,
+    /// Siblings aborted by a miss or a failure in the current step: the engine
+    /// may still have finished one of them in this step (see `step_one`).
+    step_sibling_aborts: Vec<String>,
 }
 
 /// Tests only: comma-separated request ids whose per-request step panics, read

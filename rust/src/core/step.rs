@@ -159,12 +159,30 @@ impl OutputCore {
                         (req.id.bind(py), req.lora_name.bind(py)),
                     )?;
                     aborts.append(req.id.bind(py))?;
+                    self.step_sibling_aborts.push(rid);
                 }
             }
         }
         children.call_method0(s!(py, "clear"))?;
         let pid: String = parent.getattr(s!(py, "request_id"))?.extract()?;
         self.parents.remove(&pid);
+        Ok(())
+    }
+
+    /// Take `rid` off `aborts` if this step listed it as an aborted sibling.
+    fn unlist_sibling_abort(&mut self, rid: &str, aborts: &Bound<'_, PyList>) -> PyResult<()> {
+        let Some(i) = self.step_sibling_aborts.iter().position(|s| s == rid) else {
+            return Ok(());
+        };
+        self.step_sibling_aborts.swap_remove(i);
+        for (j, item) in aborts.iter().enumerate() {
+            if item
+                .cast::<PyString>()
+                .is_ok_and(|s| s.to_str().is_ok_and(|s| s == rid))
+            {
+                return aborts.del_item(j);
+            }
+        }
         Ok(())
     }
 
@@ -269,7 +287,12 @@ impl OutputCore {
             .map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
         let rid_s = rid.to_str()?;
         let Some(slot) = self.table.slot_of(rid_s) else {
-            return Ok(()); // output for an already-aborted request
+            // An output for an already-aborted request; a sibling this step aborted
+            // that the engine has finished needs no abort.
+            if !self.eco.get(&ev, F::FinishReason)?.is_none() {
+                self.unlist_sibling_abort(rid_s, cx.aborts)?;
+            }
+            return Ok(());
         };
 
         // Per-output features that only vLLM's Python objects implement.
