@@ -54,14 +54,17 @@ def test_bad_input_is_a_python_exception(op: OutputProcessor) -> None:
 def test_core_rejects_bad_construction_and_ids() -> None:
     import dataclasses
 
-    good = adapter().core_spec(None, False, adapter().self_check(None, None))
+    vllm = adapter()
+    lora_states = vllm.new_lora_states(False)
+    stock = vllm.new_stock_side(None, False, 1, False, lora_states)
+    good = vllm.core_spec(lora_states, vllm.self_check(None, None), stock)
     _core.OutputCore(good)
     with pytest.raises(AttributeError, match="engine_core_output"):
         _core.OutputCore(object())  # not a CoreSpec: names the missing field
     with pytest.raises(TypeError):
         _core.OutputCore(dataclasses.replace(good, request_output=42))
     with pytest.raises(TypeError, match="callable"):
-        _core.OutputCore(dataclasses.replace(good, helpers=dataclasses.replace(good.helpers, abort_output=3)))
+        _core.OutputCore(dataclasses.replace(good, helpers=dataclasses.replace(good.helpers, stock_abort=3)))
     with pytest.raises(ValueError, match="finish codes"):
         _core.OutputCore(dataclasses.replace(good, finish_error=99))
     core = OutputProcessor(None, log_stats=False)._core

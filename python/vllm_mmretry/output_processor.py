@@ -131,7 +131,11 @@ class OutputProcessor:
                            "vLLM's own code runs instead: %s", _PART_NAMES[part], why)
         if self._check.detok is not None:
             vocab, self._detok_reason = None, "self_check"
-        self._spec = _vllm.core_spec(self.lora_states, tracing_enabled, self._check)
+        # Requests that need vLLM's own per-request code are owned by an embedded
+        # stock processor; the core routes their outputs and aborts to it.
+        self._stock = _vllm.new_stock_side(tokenizer, log_stats, stream_interval, tracing_enabled,
+                                           self.lora_states)
+        self._spec = _vllm.core_spec(self.lora_states, self._check, self._stock)
         self._core = _core.OutputCore(self._spec)
         self._core.native_vocab = vocab
         _metrics.track(self)  # vllm-mmretry metrics hook: publishes counters(), off the step path
@@ -206,7 +210,9 @@ class OutputProcessor:
         if self._core.has(request_id):
             if not self._core.is_streaming(request_id):
                 raise ValueError(f"request {request_id!r} is already tracked by the output processor")
-            if _vllm.update_streaming_request(self._core, request_id, request, prompt):
+            # Streaming-input requests are the stock processor's: vLLM's own update.
+            if _vllm.update_stock_streaming_request(self._stock, request, prompt):
+                self._core.finish_request(request_id)
                 self._update_admission_stats()
             return
         if parent_req is not None and not _vllm.is_parent_request(parent_req):
@@ -220,6 +226,8 @@ class OutputProcessor:
         _, external_id, streaming, is_pooling = _vllm.request_identity(request, state)
         self._core.add(request_id, external_id, state, parent_req, queue, fast, reason,
                        streaming, is_pooling)
+        if fast is None:
+            self._stock.hand_over(state)
         self._update_admission_stats()
 
     def process_outputs(

@@ -63,10 +63,14 @@ class OutputFields:
 
 @dataclass(frozen=True)
 class CoreHelpers:
-    """vLLM-version Python code the core calls for rare per-request paths."""
+    """vLLM-version Python code the core calls for rare per-request paths. The
+    `stock_*`, `hand_over` and `take_back` helpers drive the embedded stock
+    OutputProcessor that owns the requests vLLM's own per-request code runs."""
 
-    fallback_step: Callable[..., Any]  # (state, eco, ts, stats, weight_version, lora_states)
-    abort_output: Callable[..., Any]  # (state) -> RequestOutput | None
+    stock_step: Callable[..., Any]  # (ecos, ts, stats, weight_version) -> (outs, aborts, gone ids)
+    stock_abort: Callable[..., Any]  # (request_id): vLLM's abort, its abort output included
+    hand_over: Callable[..., Any]  # (state): the stock processor takes the request over
+    take_back: Callable[..., Any]  # (request_id): the stock processor forgets it, no output
     error_output: Callable[..., Any]  # (state, eco, ts, stats, weight_version, lora_states)
     finished_stats: Callable[..., Any]  # (lora_states, stats, state, finish_reason, eco)
     adopt_native: Callable[..., Any]  # (state, output_token_ids, last_output_text_offset)
@@ -95,8 +99,6 @@ class CoreSpec:
     lora_states: Any
     # Self-check results: False turns the part off (getattr reads / vLLM's outputs).
     eco_offsets: bool = True
-    # Per-processor state of the version's Python step code (not read by Rust).
-    step_state: Any = None
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ class VllmAdapter(abc.ABC):
 
     Output processor (output_processor.py): `core_spec`, `self_check`,
     `new_request_state`, `fallback_reason`, `fast_spec`, `request_identity`,
-    `native_vocab`, `update_streaming_request`, `processor_output`,
+    `native_vocab`, `new_stock_side`, `stock_state`, `update_stock_streaming_request`,
+    `processor_output`,
     `new_lora_states`, `update_scheduler_stats`, `is_engine_core_request`,
     `is_parent_request`, `output_processor_patches`, `process_outputs`,
     `streaming_input_collector`, `engine_classes`, `engine_output_processor`,
@@ -205,7 +208,12 @@ class VllmAdapter(abc.ABC):
 
     # --- output processor
     @abc.abstractmethod
-    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec: ...
+    def new_stock_side(self, tokenizer: Any, log_stats: bool, stream_interval: int,
+                       tracing_enabled: bool, lora_states: Any) -> Any:
+        """The embedded stock OutputProcessor (with its helpers) for one processor."""
+
+    @abc.abstractmethod
+    def core_spec(self, lora_states: Any, check: SelfCheck, stock: Any) -> CoreSpec: ...
 
     @abc.abstractmethod
     def self_check(self, tokenizer: Any, vocab: Any) -> SelfCheck: ...
@@ -230,8 +238,10 @@ class VllmAdapter(abc.ABC):
     def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]: ...
 
     @abc.abstractmethod
-    def update_streaming_request(self, core: Any, request_id: str, request: Any,
-                                 prompt: str | None) -> bool: ...
+    def stock_state(self, stock: Any, request_id: str) -> Any: ...
+
+    @abc.abstractmethod
+    def update_stock_streaming_request(self, stock: Any, request: Any, prompt: str | None) -> bool: ...
 
     @abc.abstractmethod
     def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,

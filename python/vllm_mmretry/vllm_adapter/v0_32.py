@@ -8,14 +8,12 @@ import argparse
 import asyncio
 import functools
 import os
-from collections import deque
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.outputs import (
-    STREAM_FINISHED,
     CompletionOutput,
     RequestError,
     RequestOutput,
@@ -34,7 +32,6 @@ from vllm.v1.engine.output_processor import (
     OutputProcessorOutput,
     RequestOutputCollector,
     RequestState,
-    StreamingUpdate,
 )
 from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, LoRARequestStates
@@ -140,112 +137,84 @@ def miss_error(hashes: list[str]) -> RequestError:
 
 # ------------------------------------------- per-request Python paths (called from Rust)
 
-def _update_iteration_stats(
-    req_state: RequestState,
-    eco: EngineCoreOutput,
-    engine_core_timestamp: float | None,
-    iteration_stats: IterationStats | None,
-    lora_states: LoRARequestStates,
-) -> None:
-    """Stock step 1 (`OutputProcessor._update_stats_from_output`)."""
-    if iteration_stats is not None:
-        assert engine_core_timestamp is not None and req_state.stats is not None
-        iteration_stats.update_from_output(
-            eco, engine_core_timestamp, req_state.is_prefilling, req_state.stats,
-            lora_states, req_state.lora_name,
-        )
+class StockSide:
+    """The embedded stock `OutputProcessor` that owns the requests vLLM's own
+    per-request code must run (logprobs, pooling, streaming input, ...): they step
+    through its `process_outputs`, in one batch per run of such outputs, and abort
+    through its `abort_requests`. Its `lora_states` is the processor's own."""
+
+    def __init__(self, tokenizer: Any, log_stats: bool, stream_interval: int,
+                 tracing_enabled: bool, lora_states: LoRARequestStates) -> None:
+        self.op = StockOutputProcessor(tokenizer, log_stats=log_stats, stream_interval=stream_interval,
+                                       tracing_enabled=tracing_enabled)
+        self.op.lora_states = lora_states
+
+    def hand_over(self, req_state: RequestState) -> None:
+        """Make `req_state` one of the stock processor's requests (what its
+        `add_request` does after building the state)."""
+        op = self.op
+        op.request_states[req_state.request_id] = req_state
+        if req_state.parent_req is not None:
+            op.parent_requests[req_state.parent_req.request_id] = req_state.parent_req
+        op.external_req_ids[req_state.external_req_id].append(req_state.request_id)
+
+    def take_back(self, request_id: str) -> None:
+        """Forget a request without an output (the core answers it)."""
+        req_state = self.op.request_states.pop(request_id, None)
+        if req_state is None:
+            return
+        ids = self.op.external_req_ids.get(req_state.external_req_id)
+        if ids is not None and request_id in ids:
+            ids.remove(request_id)
+            if not ids:
+                del self.op.external_req_ids[req_state.external_req_id]
+        self._forget_parent_if_done(req_state.parent_req)
+
+    def _forget_parent_if_done(self, parent: Any) -> None:
+        if parent is not None and not any(c in self.op.request_states for c in parent.child_requests):
+            self.op.parent_requests.pop(parent.request_id, None)
+
+    def step(self, ecos: list[EngineCoreOutput], engine_core_timestamp: float | None,
+             iteration_stats: IterationStats | None,
+             weight_version: str | None) -> tuple[list[Any], list[str], list[str]]:
+        """vLLM's `process_outputs` on a batch of its requests' outputs:
+        (request_outputs, reqs_to_abort, ids it no longer tracks)."""
+        states = self.op.request_states
+        for eco in ecos:
+            if eco.mm_cache_miss_hashes and eco.finish_reason == FinishReason.ERROR:
+                _metrics.count_cache_miss()  # vllm-mmretry metrics hook (pooling misses)
+        out = self.op.process_outputs(ecos, engine_core_timestamp, iteration_stats, weight_version)
+        gone = [eco.request_id for eco in ecos if eco.request_id not in states]
+        return out.request_outputs, out.reqs_to_abort, gone
+
+    def abort(self, request_id: str) -> None:
+        """vLLM's abort of one of its requests (its abort output included)."""
+        req_state = self.op.request_states.get(request_id)
+        self.op.abort_requests([request_id], internal=True)
+        if req_state is not None:
+            self._forget_parent_if_done(req_state.parent_req)
+
+    def finished_stats(self, lora_states: LoRARequestStates, iteration_stats: IterationStats,
+                       req_state: RequestState, finish_reason: FinishReason,
+                       eco: EngineCoreOutput) -> None:
+        """vLLM's per-request finished statistics (and tracing) for a request the
+        core finished."""
+        self.op._update_stats_from_finished(req_state, finish_reason, iteration_stats)
+        if self.op.tracing_enabled:
+            self.op.do_tracing(eco, req_state, iteration_stats)
+
+    def error_output(self, req_state: RequestState, eco: EngineCoreOutput,
+                     engine_core_timestamp: float | None, iteration_stats: IterationStats | None,
+                     weight_version: str | None, lora_states: LoRARequestStates) -> RequestOutput:
+        self.op._update_stats_from_output(req_state, eco, engine_core_timestamp, iteration_stats)
+        return _error_output(req_state, eco, weight_version)
 
 
-def _fallback_step(
-    req_state: RequestState,
-    eco: EngineCoreOutput,
-    engine_core_timestamp: float | None,
-    iteration_stats: IterationStats | None,
-    weight_version: str | None,
-    lora_states: LoRARequestStates,
-) -> tuple[Any, FinishReason | None, bool]:
-    """vLLM 0.32's loop body for one output of one request (steps 1-4), for
-    requests whose features live in vLLM's Python objects. Returns
-    (request_output or None, finish_reason, release); release=False keeps a
-    streaming-input request alive for its next chunk."""
-    _update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats, lora_states)
-    new_token_ids = eco.new_token_ids
-    pooling_output = eco.pooling_output
-    finish_reason = eco.finish_reason
-    stop_reason = eco.stop_reason
-    if eco.routed_experts is not None:
-        req_state.routed_experts_chunks.append(eco.routed_experts)
-    if req_state.is_prefilling:
-        if eco.prefill_stats is not None:
-            req_state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
-            req_state.num_cache_creation_tokens = eco.prefill_stats.num_cache_creation_tokens
-        if req_state.remote_prefill_cached_tokens is not None:
-            req_state.num_cached_tokens = req_state.remote_prefill_cached_tokens
-        req_state.is_prefilling = False
-    if eco.spec_decode_metrics is not None:
-        req_state.spec_decode_metrics = eco.spec_decode_metrics
-
-    request_error = None
-    if req_state.detokenizer is None and eco.mm_cache_miss_hashes and finish_reason == FinishReason.ERROR:
-        # Pooling: stock behaviour (PoolingRequestOutput.error, retryable).
-        request_error = RequestError(
-            code=MISS_CODE, message="Multi-modal processor cache miss.", retryable=True
-        )
-        _metrics.count_cache_miss()  # vllm-mmretry metrics hook
-        pooling_output = EMPTY_CPU_TENSOR
-
-    if pooling_output is None:
-        assert req_state.detokenizer is not None and req_state.logprobs_processor is not None
-        if new_token_ids and weight_version is not None:
-            req_state.track_weight_version(weight_version)
-        num_prev_tokens = req_state.detokenizer.num_output_tokens()
-        stop_string = req_state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
-        if stop_string:
-            finish_reason = FinishReason.STOP
-            stop_reason = stop_string
-            StockOutputProcessor._trim_surplus_tokens(req_state, eco, num_prev_tokens)
-        if eco.new_sampling_mask is not None:
-            req_state.sampling_mask_chunks.append(eco.new_sampling_mask)
-        req_state.logprobs_processor.update_from_output(eco)
-
-    request_output = req_state.make_request_output(
-        new_token_ids, pooling_output, finish_reason, stop_reason,
-        eco.kv_transfer_params, eco.ec_transfer_params, error=request_error,
-    )
-    if request_output is not None and req_state.streaming_input:
-        request_output.finished = False
-    release = True
-    if finish_reason is not None and req_state.streaming_input:
-        release = False
-        if req_state.input_chunk_queue:
-            req_state.apply_streaming_update(req_state.input_chunk_queue.popleft())
-        else:
-            req_state.input_chunk_queue = None
-    return request_output, finish_reason, release
-
-
-def _abort_output(req_state: RequestState) -> Any:
-    return req_state.make_request_output(
-        new_token_ids=[],
-        pooling_output=EMPTY_CPU_TENSOR if req_state.detokenizer is None else None,
-        finish_reason=FinishReason.ABORT,
-        stop_reason=None,
-        kv_transfer_params=None,
-        ec_transfer_params=None,
-    )
-
-
-def _error_output(
-    req_state: RequestState,
-    eco: EngineCoreOutput,
-    engine_core_timestamp: float | None,
-    iteration_stats: IterationStats | None,
-    weight_version: str | None,
-    lora_states: LoRARequestStates,
-) -> RequestOutput:
+def _error_output(req_state: RequestState, eco: EngineCoreOutput,
+                  weight_version: str | None) -> RequestOutput:
     """The one terminal output of a generation request whose multimodal inputs
-    were missing in the engine's cache (for n>1: of its parent)."""
-    _update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats, lora_states)
+    were missing in the engine's cache (for n>1: of its parent); its iteration
+    statistics were updated by vLLM's own code (`StockSide.error_output`)."""
     req_state.is_prefilling = False
     detok = req_state.detokenizer
     assert detok is not None and req_state.logprobs_processor is not None
@@ -346,34 +315,6 @@ def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_out
                 detok.stop = stop
     if hasattr(detok, "_last_output_text_offset"):
         detok._last_output_text_offset = last_output_offset
-
-
-def _finished_stats_fn(tracing_enabled: bool) -> Any:
-    def finished_stats(
-        lora_states: LoRARequestStates,
-        iteration_stats: IterationStats,
-        req_state: RequestState,
-        finish_reason: FinishReason,
-        eco: EngineCoreOutput,
-    ) -> None:
-        # vLLM's own _update_stats_from_finished (it reads only its arguments).
-        assert req_state.stats is not None
-        iteration_stats.update_from_finished_request(
-            finish_reason=finish_reason,
-            request_id=req_state.external_req_id,
-            num_prompt_tokens=req_state.prompt_len,
-            max_tokens_param=req_state.max_tokens_param,
-            req_stats=req_state.stats,
-            num_cached_tokens=req_state.num_cached_tokens,
-        )
-        lora_states.request_finished(req_state.request_id, req_state.lora_name)
-        ParentRequest.observe_finished_request(
-            req_state.parent_req, iteration_stats, req_state.stats.num_generation_tokens
-        )
-        if tracing_enabled:
-            StockOutputProcessor.do_tracing(None, eco, req_state, iteration_stats)
-
-    return finished_stats
 
 
 # ------------------------------------------------------------ native vocabulary
@@ -557,7 +498,11 @@ class Adapter(VllmAdapter):
             ro_base=ro_base, co_base=co_base,
         )
 
-    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec:
+    def new_stock_side(self, tokenizer: Any, log_stats: bool, stream_interval: int,
+                       tracing_enabled: bool, lora_states: Any) -> StockSide:
+        return StockSide(tokenizer, log_stats, stream_interval, tracing_enabled, lora_states)
+
+    def core_spec(self, lora_states: Any, check: SelfCheck, stock: Any) -> CoreSpec:
         members = sorted(FinishReason, key=int)
         return CoreSpec(
             engine_core_output=EngineCoreOutput,
@@ -572,18 +517,19 @@ class Adapter(VllmAdapter):
             finish_error=int(FinishReason.ERROR),
             eco_fields=ECO_FIELDS,
             output_fields=OUTPUT_FIELDS,
-            helpers=self.core_helpers(tracing_enabled),
+            helpers=self.core_helpers(stock),
             lora_states=lora_states,
             eco_offsets=check.eco_offsets is None,
         )
 
-    def core_helpers(self, tracing_enabled: bool) -> CoreHelpers:
+    def core_helpers(self, stock: StockSide) -> CoreHelpers:
         """The Python code the core calls for rare per-request paths (one set per
-        output processor)."""
+        output processor): vLLM's own, through the embedded stock processor."""
         return CoreHelpers(
-            fallback_step=_fallback_step, abort_output=_abort_output,
-            error_output=_error_output, finished_stats=_finished_stats_fn(tracing_enabled),
-            adopt_native=_adopt_native, failed_output=_failed_output,
+            stock_step=stock.step, stock_abort=stock.abort, hand_over=stock.hand_over,
+            take_back=stock.take_back, error_output=stock.error_output,
+            finished_stats=stock.finished_stats, adopt_native=_adopt_native,
+            failed_output=_failed_output,
         )
 
     def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,
@@ -669,32 +615,16 @@ class Adapter(VllmAdapter):
     def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]:
         return native_vocab(tokenizer)
 
-    def update_streaming_request(self, core: Any, request_id: str, request: Any,
-                                 prompt: str | None) -> bool:
-        """vLLM's streaming-input update, on the request's stock RequestState.
-        Returns True when the request was finished (STREAM_FINISHED sent)."""
-        req_state = core.state(request_id)
-        if not request.resumable:
-            if req_state.input_chunk_queue is None:
-                core.finish_request(request_id)
-                if req_state.queue is not None:
-                    req_state.queue.put(STREAM_FINISHED)
-                return True
-            if req_state.input_chunk_queue:
-                req_state.input_chunk_queue[-1].final = True
-            else:
-                req_state.streaming_input = False
-            return False
-        update = StreamingUpdate(
-            prompt=prompt, prompt_token_ids=request.prompt_token_ids, arrival_time=request.arrival_time
-        )
-        if req_state.input_chunk_queue is None:
-            req_state.apply_streaming_update(update)
-            req_state.input_chunk_queue = deque()
-        else:
-            req_state.input_chunk_queue.append(update)
-        core.reload_state(request_id)
-        return False
+    def stock_state(self, stock: StockSide, request_id: str) -> Any:
+        """The RequestState the stock processor holds for `request_id`, or None."""
+        return stock.op.request_states.get(request_id)
+
+    def update_stock_streaming_request(self, stock: StockSide, request: Any,
+                                       prompt: str | None) -> bool:
+        """vLLM's own streaming-input update of one of the stock processor's
+        requests; True when that finished the request."""
+        stock.op.add_request(request, prompt)
+        return request.request_id not in stock.op.request_states
 
     def processor_output(self, request_outputs: list[Any], reqs_to_abort: list[str]) -> Any:
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)

@@ -7,7 +7,8 @@ inherited from `v0_32`). See docs/vllm-0.33-seams.md for the line-by-line readin
   Without a queue (LLMEngine) the output goes the ordinary way (finish ERROR).
 - A streaming-input request whose sub-request finishes with ERROR or ABORT ends
   (0.32 kept it alive), and a finished streaming-input request is always aborted
-  in the engine (an in-flight chunk may re-create the session).
+  in the engine (an in-flight chunk may re-create the session): such requests are
+  owned by the embedded stock processor, so vLLM 0.33's own code does this.
 - Parents discard finished children (`_finish_request`).
 - AsyncLLM's output handler queues miss invalidations on the renderer
   (`queue_mm_cache_invalidations`) before `process_outputs`; the renderer drains
@@ -23,111 +24,18 @@ inherited from `v0_32`). See docs/vllm-0.33-seams.md for the line-by-line readin
 from __future__ import annotations
 
 import argparse
-import functools
-from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any
 
-from vllm.outputs import RequestError
-from vllm.v1.engine import EngineCoreOutput, FinishReason
-from vllm.v1.engine.output_processor import (
-    EMPTY_CPU_TENSOR,
-    RequestState,
-    StreamingInputOutputCollector,
-)
-from vllm.v1.metrics.stats import IterationStats, LoRARequestStates
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.engine.output_processor import StreamingInputOutputCollector
 
-from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import v0_32
-from vllm_mmretry.vllm_adapter.base import CoreSpec, SelfCheck
+from vllm_mmretry.vllm_adapter.base import CoreSpec
 
 # EngineCoreOutput's fields in 0.33, in declaration order (slot order).
 ECO_STRUCT_FIELDS: tuple[str, ...] = (*v0_32.ECO_STRUCT_FIELDS, "error")
-# Finish reasons that end a streaming-input request instead of a chunk.
-_ENDS_STREAMING_INPUT = (FinishReason.ABORT, FinishReason.ERROR)
 _error_of = attrgetter("error")
-
-
-@dataclass
-class StepState:
-    """Per-processor state of the Python step code: streaming-input requests the
-    fallback step finished this step (vLLM 0.33 aborts them in the engine too)."""
-
-    streaming_finished: list[str] = field(default_factory=list)
-
-
-def _fallback_step(
-    step: StepState,
-    req_state: RequestState,
-    eco: EngineCoreOutput,
-    engine_core_timestamp: float | None,
-    iteration_stats: IterationStats | None,
-    weight_version: str | None,
-    lora_states: LoRARequestStates,
-) -> tuple[Any, FinishReason | None, bool]:
-    """vLLM 0.33's loop body for one output of one request (steps 1-4), for
-    requests whose features live in vLLM's Python objects; as `v0_32._fallback_step`
-    except for the streaming-input chunk boundary."""
-    v0_32._update_iteration_stats(req_state, eco, engine_core_timestamp, iteration_stats,
-                                  lora_states)
-    new_token_ids = eco.new_token_ids
-    pooling_output = eco.pooling_output
-    finish_reason = eco.finish_reason
-    stop_reason = eco.stop_reason
-    if eco.routed_experts is not None:
-        req_state.routed_experts_chunks.append(eco.routed_experts)
-    if req_state.is_prefilling:
-        if eco.prefill_stats is not None:
-            req_state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
-            req_state.num_cache_creation_tokens = eco.prefill_stats.num_cache_creation_tokens
-        if req_state.remote_prefill_cached_tokens is not None:
-            req_state.num_cached_tokens = req_state.remote_prefill_cached_tokens
-        req_state.is_prefilling = False
-    if eco.spec_decode_metrics is not None:
-        req_state.spec_decode_metrics = eco.spec_decode_metrics
-
-    request_error = None
-    if req_state.detokenizer is None and eco.mm_cache_miss_hashes and finish_reason == FinishReason.ERROR:
-        # Pooling: stock behaviour (PoolingRequestOutput.error, retryable).
-        request_error = RequestError(
-            code=v0_32.MISS_CODE, message="Multi-modal processor cache miss.", retryable=True
-        )
-        pooling_output = EMPTY_CPU_TENSOR
-        _metrics.count_cache_miss()  # vllm-mmretry metrics hook
-
-    if pooling_output is None:
-        assert req_state.detokenizer is not None and req_state.logprobs_processor is not None
-        if new_token_ids and weight_version is not None:
-            req_state.track_weight_version(weight_version)
-        num_prev_tokens = req_state.detokenizer.num_output_tokens()
-        stop_string = req_state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
-        if stop_string:
-            finish_reason = FinishReason.STOP
-            stop_reason = stop_string
-            v0_32.StockOutputProcessor._trim_surplus_tokens(req_state, eco, num_prev_tokens)
-        if eco.new_sampling_mask is not None:
-            req_state.sampling_mask_chunks.append(eco.new_sampling_mask)
-        req_state.logprobs_processor.update_from_output(eco)
-
-    chunk_boundary = req_state.streaming_input and finish_reason not in _ENDS_STREAMING_INPUT
-    request_output = req_state.make_request_output(
-        new_token_ids, pooling_output, finish_reason, stop_reason,
-        eco.kv_transfer_params, eco.ec_transfer_params, error=request_error,
-    )
-    if request_output is not None and chunk_boundary:
-        request_output.finished = False
-    release = True
-    if finish_reason is not None:
-        if chunk_boundary:
-            release = False
-            if req_state.input_chunk_queue:
-                req_state.apply_streaming_update(req_state.input_chunk_queue.popleft())
-            else:
-                req_state.input_chunk_queue = None
-        elif req_state.streaming_input and eco.finished:
-            # The core aborts only what the engine has not finished.
-            step.streaming_finished.append(req_state.request_id)
-    return request_output, finish_reason, release
 
 
 def _reject(core: Any, eco: EngineCoreOutput, aborts: list[str]) -> bool:
@@ -164,28 +72,17 @@ class Adapter(v0_32.Adapter):
 
         parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
         return parser
-    def core_spec(self, lora_states: Any, tracing_enabled: bool, check: SelfCheck) -> CoreSpec:
-        step = StepState()
-        spec = super().core_spec(lora_states, tracing_enabled, check)
-        helpers = replace(spec.helpers, fallback_step=functools.partial(_fallback_step, step))
-        return replace(spec, helpers=helpers, step_state=step)
 
     def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,
                         engine_core_timestamp: float | None, iteration_stats: Any,
                         weight_version: str | None) -> tuple[list[Any], list[Any]]:
         # The scan runs in C (map); outputs with `error` are rare (a paused engine).
         if not any(map(_error_of, engine_core_outputs)):
-            outs, aborts = core.process(engine_core_outputs, engine_core_timestamp,
-                                        iteration_stats, weight_version)
-        else:
-            outs, aborts = self._process_with_errors(
-                core, engine_core_outputs, engine_core_timestamp, iteration_stats,
-                weight_version)
-        step: StepState = spec.step_state
-        if step.streaming_finished:
-            aborts.extend(step.streaming_finished)
-            step.streaming_finished.clear()
-        return outs, aborts
+            outs: tuple[list[Any], list[Any]] = core.process(
+                engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
+            return outs
+        return self._process_with_errors(core, engine_core_outputs, engine_core_timestamp,
+                                         iteration_stats, weight_version)
 
     @staticmethod
     def _process_with_errors(core: Any, ecos: Any, ts: float | None, stats: Any,

@@ -49,8 +49,10 @@ impl OutputCore {
                     fields: OutFields::new(py, &spec.output_fields),
                 },
                 helpers: Helpers {
-                    fallback_step: callable("fallback_step", h.fallback_step)?,
-                    abort_output: callable("abort_output", h.abort_output)?,
+                    stock_step: callable("stock_step", h.stock_step)?,
+                    stock_abort: callable("stock_abort", h.stock_abort)?,
+                    hand_over: callable("hand_over", h.hand_over)?,
+                    take_back: callable("take_back", h.take_back)?,
                     error_output: callable("error_output", h.error_output)?,
                     finished_stats: callable("finished_stats", h.finished_stats)?,
                     adopt_native: callable("adopt_native", h.adopt_native)?,
@@ -70,6 +72,7 @@ impl OutputCore {
                 test_panic_on: test_panic_ids(),
                 failed_steps: 0,
                 step_sibling_aborts: Vec::new(),
+                stock_batch: Vec::new(),
             })
         })
     }
@@ -187,7 +190,7 @@ impl OutputCore {
                         .fallbacks
                         .entry(fallback_reason.unwrap_or("unspecified").to_owned())
                         .or_default() += 1;
-                    Mode::Fallback
+                    Mode::Stock
                 }
                 Some(d) => {
                     let kind = match d.output_kind {
@@ -328,13 +331,15 @@ impl OutputCore {
                     aborts: &aborts,
                 };
                 self.step_sibling_aborts.clear();
+                self.stock_batch.clear();
                 let result = (|| {
                     for eco in ecos.iter() {
                         self.step_one_recovering(py, &eco, &cx)?;
                     }
-                    Ok::<(), PyErr>(())
+                    self.flush_stock(py, &cx)
                 })();
                 self.step_sibling_aborts.clear();
+                self.stock_batch.clear();
                 // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
                 // after process_outputs and would invalidate them a second time. Clearing
                 // the field (instead of patching those loops) keeps that code stock.
@@ -381,6 +386,9 @@ impl OutputCore {
                 .table
                 .remove(request_id)
                 .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
+            if matches!(req.mode, Mode::Stock) {
+                self.helpers.take_back.bind(py).call1((req.id.bind(py),))?;
+            }
             if let Some(parent) = &req.parent {
                 let p = parent.bind(py);
                 if p.getattr("child_requests")?.len()? == 0 {
@@ -416,16 +424,6 @@ impl OutputCore {
                 .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
             Self::sync_state(py, req)?;
             Ok(req.state.clone_ref(py))
-        })
-    }
-    /// Read back a state a Python helper changed (streaming updates).
-    fn reload_state(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        api("reload_state", || {
-            let slot = self
-                .table
-                .slot_of(request_id)
-                .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
-            Self::load_state(py, self.table.get_mut(slot).unwrap())
         })
     }
     /// {internal id: RequestState}, synced.
@@ -478,7 +476,7 @@ impl OutputCore {
                             total += r.prompt_len;
                         }
                     }
-                    Mode::Fallback => {
+                    Mode::Stock => {
                         let st = r.state.bind(py);
                         if st.getattr("is_prefilling")?.extract::<bool>()? {
                             total += st.getattr("prompt_len")?.extract::<usize>()?;

@@ -7,8 +7,9 @@
 //! offset, output objects are built from pre-filled `__dict__` templates without
 //! running Python `__init__`, and outputs go straight into the collector. Requests
 //! needing features whose semantics live in vLLM's Python objects (logprobs,
-//! pooling, streaming input, routed experts, ...) run vLLM's own per-request step
-//! in Python (`fallback`), counted by reason.
+//! pooling, streaming input, routed experts, ...) are handed to an embedded stock
+//! `OutputProcessor` (`Mode::Stock`, counted by reason): vLLM's own code steps and
+//! aborts them, one batch per run of their outputs; the core routes to it.
 //!
 //! A fast request detokenizes natively (`Detok::Native`, rust/src/detok.rs) when
 //! the processor has a native vocabulary and the request's parameters are
@@ -112,7 +113,9 @@ struct Fast {
 
 enum Mode {
     Fast(Box<Fast>),
-    Fallback,
+    /// Owned by the embedded stock processor (vLLM's own code runs it); the core
+    /// only routes its outputs and aborts.
+    Stock,
 }
 
 struct Queue {
@@ -241,8 +244,10 @@ struct CoreSpec<'py> {
 /// `vllm_adapter.base.CoreHelpers`.
 #[derive(FromPyObject)]
 struct HelperSpec<'py> {
-    fallback_step: Bound<'py, PyAny>,
-    abort_output: Bound<'py, PyAny>,
+    stock_step: Bound<'py, PyAny>,
+    stock_abort: Bound<'py, PyAny>,
+    hand_over: Bound<'py, PyAny>,
+    take_back: Bound<'py, PyAny>,
     error_output: Bound<'py, PyAny>,
     finished_stats: Bound<'py, PyAny>,
     adopt_native: Bound<'py, PyAny>,
@@ -283,8 +288,15 @@ fn callable(name: &str, h: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
 }
 
 struct Helpers {
-    fallback_step: Py<PyAny>,
-    abort_output: Py<PyAny>,
+    /// `stock_step(ecos, ts, stats, weight_version) -> (outputs, aborts, gone ids)`:
+    /// the embedded stock processor's `process_outputs` on its requests' outputs.
+    stock_step: Py<PyAny>,
+    /// `stock_abort(request_id)`: vLLM's abort of a stock-owned request.
+    stock_abort: Py<PyAny>,
+    /// `hand_over(state)`: a request leaving the fast path joins the stock processor.
+    hand_over: Py<PyAny>,
+    /// `take_back(request_id)`: the stock processor forgets a request (no output).
+    take_back: Py<PyAny>,
     error_output: Py<PyAny>,
     finished_stats: Py<PyAny>,
     /// `adopt_native(state, output_token_ids, last_output_text_offset)`.
@@ -321,6 +333,10 @@ pub struct OutputCore {
     /// Siblings aborted by a miss or a failure in the current step: the engine
     /// may still have finished one of them in this step (see `step_one`).
     step_sibling_aborts: Vec<String>,
+    /// Outputs of stock-owned requests waiting to go to the stock processor as
+    /// one batch (flushed before a fast output and at the end of the step, so
+    /// outputs keep the engine's order).
+    stock_batch: Vec<Py<PyAny>>,
 }
 
 /// Tests only: comma-separated request ids whose per-request step panics, read

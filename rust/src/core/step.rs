@@ -6,7 +6,11 @@ use super::*;
 
 impl OutputCore {
     /// Write the Rust-owned mutable fields back into the stock RequestState.
+    /// (A stock-owned request's state is the stock processor's: nothing to write.)
     pub(super) fn sync_state(py: Python<'_>, req: &Req) -> PyResult<()> {
+        let Mode::Fast(f) = &req.mode else {
+            return Ok(());
+        };
         let st = req.state.bind(py);
         st.setattr(s!(py, "is_prefilling"), req.is_prefilling)?;
         st.setattr(s!(py, "num_cached_tokens"), req.num_cached_tokens.bind(py))?;
@@ -14,28 +18,16 @@ impl OutputCore {
             s!(py, "num_cache_creation_tokens"),
             req.num_cache_creation_tokens.bind(py),
         )?;
-        if let Mode::Fast(f) = &req.mode {
-            st.setattr(s!(py, "sent_tokens_offset"), f.sent_offset)?;
-            st.setattr(
-                s!(py, "spec_decode_metrics"),
-                f.spec_decode_metrics.as_ref().map(|m| m.bind(py).clone()),
-            )?;
-            let starts = PyList::empty(py);
-            for (v, s) in &f.weight_starts {
-                starts.append((v.bind(py), *s))?;
-            }
-            st.setattr(s!(py, "weight_version_starts"), starts)?;
+        st.setattr(s!(py, "sent_tokens_offset"), f.sent_offset)?;
+        st.setattr(
+            s!(py, "spec_decode_metrics"),
+            f.spec_decode_metrics.as_ref().map(|m| m.bind(py).clone()),
+        )?;
+        let starts = PyList::empty(py);
+        for (v, s) in &f.weight_starts {
+            starts.append((v.bind(py), *s))?;
         }
-        Ok(())
-    }
-
-    /// Read back the fields a Python helper may have changed.
-    pub(super) fn load_state(py: Python<'_>, req: &mut Req) -> PyResult<()> {
-        let st = req.state.bind(py);
-        req.is_prefilling = st.getattr(s!(py, "is_prefilling"))?.extract()?;
-        req.num_cached_tokens = st.getattr(s!(py, "num_cached_tokens"))?.unbind();
-        req.num_cache_creation_tokens = st.getattr(s!(py, "num_cache_creation_tokens"))?.unbind();
-        req.prompt_len = st.getattr(s!(py, "prompt_len"))?.extract()?;
+        st.setattr(s!(py, "weight_version_starts"), starts)?;
         Ok(())
     }
 
@@ -76,7 +68,11 @@ impl OutputCore {
         let req = self.table.get_mut(slot).unwrap();
         Self::sync_state(py, req)?;
         self.helpers.adopt(py, req)?;
-        req.mode = Mode::Fallback;
+        req.mode = Mode::Stock;
+        self.helpers
+            .hand_over
+            .bind(py)
+            .call1((req.state.bind(py),))?;
         *self.fallbacks.entry(reason.to_owned()).or_default() += 1;
         Ok(())
     }
@@ -154,6 +150,7 @@ impl OutputCore {
             let resolved = self.table.resolve_abort(std::slice::from_ref(&cid), true);
             for rid in resolved {
                 if let Some(req) = self.table.pop_aborted(&rid) {
+                    self.take_back_if_stock(py, &req)?;
                     self.lora_states.bind(py).call_method1(
                         s!(py, "request_finished"),
                         (req.id.bind(py), req.lora_name.bind(py)),
@@ -166,6 +163,14 @@ impl OutputCore {
         children.call_method0(s!(py, "clear"))?;
         let pid: String = parent.getattr(s!(py, "request_id"))?.extract()?;
         self.parents.remove(&pid);
+        Ok(())
+    }
+
+    /// The stock processor forgets a request the core answers or aborts itself.
+    fn take_back_if_stock(&self, py: Python<'_>, req: &Req) -> PyResult<()> {
+        if matches!(req.mode, Mode::Stock) {
+            self.helpers.take_back.bind(py).call1((req.id.bind(py),))?;
+        }
         Ok(())
     }
 
@@ -254,6 +259,7 @@ impl OutputCore {
         };
         self.failed_steps += 1;
         Self::sync_state(py, &req)?;
+        self.take_back_if_stock(py, &req)?;
         if let Some(p) = &req.parent {
             let p = p.bind(py);
             p.getattr(s!(py, "child_requests"))?
@@ -326,64 +332,50 @@ impl OutputCore {
             panic!("forced by {TEST_PANIC_ENV} for request {rid_s}");
         }
         let req = self.table.get(slot).unwrap();
-        if miss && !req.is_pooling {
+        let miss = miss && !req.is_pooling;
+        if matches!(req.mode, Mode::Stock) && !miss {
+            self.stock_batch.push(eco.clone().unbind());
+            return Ok(());
+        }
+        // Outputs go out in the engine's order: the stock batch so far first.
+        self.flush_stock(py, cx)?;
+        let Some(slot) = self.table.slot_of(rid_s) else {
+            return Ok(());
+        };
+        if miss {
+            let req = self.table.get(slot).unwrap();
+            self.take_back_if_stock(py, req)?;
             return self.step_miss(py, slot, eco, cx, rid_s, &fr_obj);
         }
-
-        match req.mode {
-            Mode::Fallback => self.step_fallback(py, slot, eco, cx, rid_s),
-            Mode::Fast(_) => self.step_fast(py, slot, &ev, fr_obj, cx, rid_s),
-        }
+        self.step_fast(py, slot, &ev, fr_obj, cx, rid_s)
     }
 
-    pub(super) fn step_fallback<'py>(
-        &mut self,
-        py: Python<'py>,
-        slot: usize,
-        eco: &Bound<'py, PyAny>,
-        cx: &Step<'_, 'py>,
-        rid: &str,
-    ) -> PyResult<()> {
-        let Step {
-            ts,
-            iteration_stats,
-            weight_version,
-            outs,
-            aborts,
-        } = *cx;
-        self.fallback_steps += 1;
-        let req = self.table.get(slot).unwrap();
-        let r = self.helpers.fallback_step.bind(py).call1((
-            req.state.bind(py),
-            eco,
-            ts,
-            iteration_stats,
-            weight_version,
-            self.lora_states.bind(py),
+    /// The waiting outputs of stock-owned requests, through vLLM's own
+    /// `process_outputs` in one call; requests it finished leave the table.
+    pub(super) fn flush_stock<'py>(&mut self, py: Python<'py>, cx: &Step<'_, 'py>) -> PyResult<()> {
+        if self.stock_batch.is_empty() {
+            return Ok(());
+        }
+        let batch = PyList::new(py, self.stock_batch.drain(..))?;
+        self.fallback_steps += batch.len() as u64;
+        let r = self.helpers.stock_step.bind(py).call1((
+            batch,
+            cx.ts,
+            cx.iteration_stats,
+            cx.weight_version,
         ))?;
-        let (out, fr_obj, release): (Bound<'py, PyAny>, Bound<'py, PyAny>, bool) = r.extract()?;
-        {
-            let req = self.table.get_mut(slot).unwrap();
-            Self::load_state(py, req)?;
+        let (outs, aborts, gone): (Bound<'py, PyAny>, Bound<'py, PyAny>, Vec<String>) =
+            r.extract()?;
+        for o in outs.try_iter()? {
+            cx.outs.append(o?)?;
         }
-        let req = self.table.get(slot).unwrap();
-        if !out.is_none() {
-            self.publish(py, req, out, outs)?;
+        for a in aborts.try_iter()? {
+            cx.aborts.append(a?)?;
         }
-        if !fr_obj.is_none() && release {
-            let engine_finished = !self
-                .eco
-                .get(&self.eco.view(eco), F::FinishReason)?
-                .is_none();
-            self.finish(
-                py,
-                rid,
-                &fr_obj,
-                engine_finished,
-                iteration_stats,
-                eco,
-                aborts,
-            )?;
+        for rid in gone {
+            if let Some(req) = self.table.remove(&rid) {
+                self.forget_parent_if_done(py, &req)?;
+            }
         }
         Ok(())
     }
@@ -624,38 +616,33 @@ impl OutputCore {
         let resolved = self.table.resolve_abort(&ids, internal);
         for id in resolved {
             if let Some(mut req) = self.table.pop_aborted(&id) {
-                self.lora_states.bind(py).call_method1(
-                    s!(py, "request_finished"),
-                    (req.id.bind(py), req.lora_name.bind(py)),
-                )?;
                 result.push(req.id.clone_ref(py));
-                if req.queue.is_some() {
-                    let out = match &req.mode {
-                        Mode::Fallback => {
-                            let o = self
-                                .helpers
-                                .abort_output
-                                .bind(py)
-                                .call1((req.state.bind(py),))?;
-                            (!o.is_none()).then_some(o)
+                if matches!(req.mode, Mode::Stock) {
+                    // vLLM's own abort: LoRA bookkeeping and the abort output.
+                    self.helpers
+                        .stock_abort
+                        .bind(py)
+                        .call1((req.id.bind(py),))?;
+                } else {
+                    self.lora_states.bind(py).call_method1(
+                        s!(py, "request_finished"),
+                        (req.id.bind(py), req.lora_name.bind(py)),
+                    )?;
+                    if req.queue.is_some() {
+                        let none = py.None().into_bound(py);
+                        let empty = PyList::empty(py).into_any();
+                        let out = self.cls.make_fast_output(
+                            py,
+                            &mut req,
+                            empty,
+                            Some(self.cls.finish.abort),
+                            none.clone(),
+                            none.clone(),
+                            none,
+                        )?;
+                        if let (Some(out), Some(q)) = (out, req.queue.as_ref()) {
+                            self.put(py, q, &out)?;
                         }
-                        Mode::Fast(_) => {
-                            let none = py.None().into_bound(py);
-                            let empty = PyList::empty(py).into_any();
-                            self.cls.make_fast_output(
-                                py,
-                                &mut req,
-                                empty,
-                                Some(self.cls.finish.abort),
-                                none.clone(),
-                                none.clone(),
-                                none,
-                            )?
-                        }
-                    };
-                    if let Some(out) = out {
-                        let q = req.queue.as_ref().unwrap();
-                        self.put(py, q, &out)?;
                     }
                 }
                 self.forget_parent_if_done(py, &req)?;
