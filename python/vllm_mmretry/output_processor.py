@@ -17,6 +17,9 @@ What changes compared to stock vLLM 0.32:
 Everything else produces the outputs stock vLLM produces (tests/test_differential*).
 
 Speed: requests without per-request Python features run the fast loop in Rust.
+The others (logprobs, pooling, streaming input, ...) are owned by an embedded stock
+`OutputProcessor` (the adapter's `StockSide`): vLLM's own code steps and aborts
+them; the core routes their outputs to it in one batch per run.
 When the tokenizer is a Hugging Face fast tokenizer (vLLM's
 FastIncrementalDetokenizer path) whose definition the Rust `tokenizers` crate
 loads, its vocabulary is loaded once (`native_vocab`) and such requests are
