@@ -337,10 +337,16 @@ impl OutputCore {
             self.stock_batch.push(eco.clone().unbind());
             return Ok(());
         }
-        // Outputs go out in the engine's order: the stock batch so far first.
-        self.flush_stock(py, cx)?;
-        let Some(slot) = self.table.slot_of(rid_s) else {
-            return Ok(());
+        // Outputs go out in the engine's order: the stock batch so far first (it
+        // may finish requests, so the slot is looked up again).
+        let slot = if self.stock_batch.is_empty() {
+            slot
+        } else {
+            self.flush_stock(py, cx)?;
+            match self.table.slot_of(rid_s) {
+                Some(slot) => slot,
+                None => return Ok(()),
+            }
         };
         if miss {
             let req = self.table.get(slot).unwrap();
