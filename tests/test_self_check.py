@@ -6,6 +6,7 @@ with one WARNING and a counter. Outputs always equal stock vLLM's, in full
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -141,7 +142,7 @@ def test_engine_core_output_field_change_reads_by_name(
     assert _warned(caplog, "new_point_release_field")
 
 
-@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok"])
+@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok", "objects"])
 def test_forced_self_check_failure(
     tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, part: str
 ) -> None:
@@ -152,26 +153,29 @@ def test_forced_self_check_failure(
     assert c["self_check_failed"] == {part: 1}
     assert len(_warned(caplog, f"forced by {FORCE_SELF_CHECK_FAIL_ENV}")) == 1
     assert op._core.fast_field_reads == (part != "eco_offsets")
-    if part == "outputs":
-        assert c["fast_steps"] == 0 and c["fallbacks"] == {"self_check_outputs": 6}
+    if part in ("outputs", "objects"):
+        assert c["fast_steps"] == 0 and c["fallbacks"] == {f"self_check_{part}": 6}
     else:
         assert c["fast_steps"] > 0 and c["fallback_steps"] == 0
     if part == "detok":
         assert c["native_detok"] == 0 and c["python_detok"] == {"self_check": 6}
     else:
-        assert c["native_detok"] == (0 if part == "outputs" else 6)
+        assert c["native_detok"] == (0 if part in ("outputs", "objects") else 6)
 
 
-def test_self_check_passes_on_stock_vllm(tiny_tokenizer: Any) -> None:
-    from vllm_mmretry.vllm_adapter import adapter
-
-    vocab, reason = adapter().native_vocab(tiny_tokenizer)
-    assert reason is None
-    check = adapter().self_check(tiny_tokenizer, vocab)
-    assert check.failures() == {}
-    # The templates are what vLLM's constructors set, nothing more or less.
-    ro = RequestOutput(
-        request_id="x", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[], finished=False
-    )
-    co = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
-    assert list(check.ro_base) == list(vars(ro)) and list(check.co_base) == list(vars(co))
+@pytest.mark.parametrize("field", ["sent_tokens_offset", "weight_version_starts", "collector_ready"])
+def test_request_object_name_mismatch_hands_requests_to_vllm(
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, field: str
+) -> None:
+    """The adapter's name for an attribute the core writes or reads is not on the
+    running vLLM's objects (a rename): every request runs vLLM's own loop, with
+    outputs equal to stock's, one WARNING naming it and the counter."""
+    renamed = f"{getattr(v0_32.OBJECT_FIELDS, field)}_v2"
+    monkeypatch.setattr(v0_32, "OBJECT_FIELDS",
+                        dataclasses.replace(v0_32.OBJECT_FIELDS, **{field: renamed}))
+    op, stock, ours = _run(tiny_tokenizer)
+    assert ours == stock
+    c = op.counters()
+    assert c["self_check_failed"] == {"objects": 1} and c["fast_steps"] == 0
+    assert c["fallbacks"] == {"self_check_objects": 6}
+    assert len(_warned(caplog, renamed)) == 1

@@ -56,8 +56,9 @@ MISS_CODE = "multimodal_cache_miss"
 # "0" forces vLLM's Python detokenizer (the output loop stays native).
 NATIVE_DETOK_ENV = "VLLM_MMRETRY_NATIVE_DETOK"
 # Tests: comma-separated native parts whose start-up self-check is made to fail
-# ("outputs", "eco_offsets", "detok"), to show vLLM's own code taking over.
+# ("outputs", "eco_offsets", "detok", "objects"), to show vLLM's own code taking over.
 FORCE_SELF_CHECK_FAIL_ENV = "VLLM_MMRETRY_FORCE_SELF_CHECK_FAIL"
+FORCE_OBJECTS = "objects"  # checked on the first request, not at build time
 
 # Names kept for callers of this module (the facts live in the adapter).
 miss_error = _vllm.miss_error
@@ -141,6 +142,9 @@ class OutputProcessor:
         self._spec = _vllm.core_spec(self.lora_states, self._check, self._stock)
         self._core = _core.OutputCore(self._spec)
         self._core.native_vocab = vocab
+        # Kinds of request objects ("state", "parent", "queue") whose attributes
+        # passed `check_request_objects`; a failure sends every request to vLLM.
+        self._objects_checked: set[str] = set()
         _metrics.track(self)  # vllm-mmretry metrics hook: publishes counters(), off the step path
 
     # P0's multimodal sender cache (or the renderer holding it), for invalidation.
@@ -225,6 +229,8 @@ class OutputProcessor:
         reason = _vllm.fallback_reason(request, state, self.tracing_enabled)
         if reason is None and self._check.outputs is not None:
             reason = "self_check_outputs"
+        if reason is None and not self._request_objects_ok(state, parent_req, queue):
+            reason = "self_check_objects"
         fast = None if reason else _vllm.fast_spec(state, request, self._detok_reason, self._check)
         _, external_id, streaming, is_pooling = _vllm.request_identity(request, state)
         self._core.add(request_id, external_id, state, parent_req, queue, fast, reason,
@@ -232,6 +238,27 @@ class OutputProcessor:
         if fast is None:
             self._stock.hand_over(state)
         self._update_admission_stats()
+
+    def _request_objects_ok(self, state: Any, parent: Any, queue: Any) -> bool:
+        """The core's attribute names hold on this request's vLLM objects (checked
+        once per kind of object, on the first request that has one)."""
+        if "objects" in self._self_check_failed:
+            return False
+        new = {kind for kind, obj in (("state", state), ("parent", parent), ("queue", queue))
+               if obj is not None and kind not in self._objects_checked}
+        if not new:
+            return True
+        why = _vllm.check_request_objects(state, parent if "parent" in new else None,
+                                          queue if "queue" in new else None)
+        if FORCE_OBJECTS in _forced_failures():
+            why = why or f"forced by {FORCE_SELF_CHECK_FAIL_ENV}"
+        if why is None:
+            self._objects_checked |= new
+            return True
+        self._self_check_failed["objects"] = why
+        _log().warning("vllm-mmretry: native %s turned off for this output processor, "
+                       "vLLM's own code runs instead: %s", _PART_NAMES["objects"], why)
+        return False
 
     def process_outputs(
         self,
@@ -252,6 +279,7 @@ _PART_NAMES = {
     "outputs": "output building (RequestOutput/CompletionOutput)",
     "eco_offsets": "EngineCoreOutput slot reads",
     "detok": "detokenizer",
+    "objects": "output loop (vLLM's request objects differ)",
 }
 
 

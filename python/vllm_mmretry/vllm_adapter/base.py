@@ -62,6 +62,45 @@ class OutputFields:
 
 
 @dataclass(frozen=True)
+class ObjectFields:
+    """vLLM's names of the attributes and methods of its per-request objects the
+    core reads, writes or calls (checked by the adapter's self-check)."""
+
+    # RequestState (num_cached_tokens and num_cache_creation_tokens: PrefillStats too)
+    is_prefilling: str
+    num_cached_tokens: str
+    num_cache_creation_tokens: str
+    prompt_len: str
+    sent_tokens_offset: str
+    spec_decode_metrics: str
+    weight_version_starts: str
+    remote_prefill_cached_tokens: str
+    lora_name: str
+    stats: str
+    # ParentRequest
+    child_requests: str
+    parent_request_id: str
+    get_outputs: str
+    # IncrementalDetokenizer
+    detok_update: str
+    detok_num_output_tokens: str
+    detok_output_token_ids: str
+    detok_get_next_output_text: str
+    # RequestOutputCollector, RequestOutput
+    collector_put: str
+    collector_output: str
+    collector_ready: str
+    collector_aggregate: str
+    output_add: str
+    # LoRARequestStates, IterationStats
+    request_finished: str
+    update_from_output: str
+    # the renderer and P0's multimodal processor cache
+    mm_processor_cache: str
+    invalidate: str
+
+
+@dataclass(frozen=True)
 class CoreHelpers:
     """vLLM-version Python code the core calls for rare per-request paths. The
     `stock_*`, `hand_over` and `take_back` helpers drive the embedded stock
@@ -95,6 +134,7 @@ class CoreSpec:
     finish_error: int
     eco_fields: EcoFields
     output_fields: OutputFields
+    object_fields: ObjectFields
     helpers: CoreHelpers
     lora_states: Any
     # Self-check results: False turns the part off (getattr reads / vLLM's outputs).
@@ -236,6 +276,10 @@ class VllmAdapter(abc.ABC):
 
     @abc.abstractmethod
     def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]: ...
+
+    @abc.abstractmethod
+    def check_request_objects(self, state: Any, parent: Any, queue: Any) -> str | None:
+        """What the core needs on one request's vLLM objects and they lack, or None."""
 
     @abc.abstractmethod
     def stock_state(self, stock: Any, request_id: str) -> Any: ...

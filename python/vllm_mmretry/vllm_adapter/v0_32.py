@@ -46,6 +46,7 @@ from vllm_mmretry.vllm_adapter.base import (
     EcoFields,
     FastSpec,
     NativeDetokSpec,
+    ObjectFields,
     OutputFields,
     PoolingAttempt,
     PoolingResults,
@@ -87,6 +88,31 @@ OUTPUT_FIELDS = OutputFields(
     text="text", token_ids="token_ids", finish_reason="finish_reason",
     stop_reason="stop_reason", spec_decode_metrics="spec_decode_metrics",
     weight_versions="weight_versions",
+)
+OBJECT_FIELDS = ObjectFields(
+    is_prefilling="is_prefilling", num_cached_tokens="num_cached_tokens",
+    num_cache_creation_tokens="num_cache_creation_tokens", prompt_len="prompt_len",
+    sent_tokens_offset="sent_tokens_offset", spec_decode_metrics="spec_decode_metrics",
+    weight_version_starts="weight_version_starts",
+    remote_prefill_cached_tokens="remote_prefill_cached_tokens", lora_name="lora_name",
+    stats="stats", child_requests="child_requests", parent_request_id="request_id",
+    get_outputs="get_outputs", detok_update="update", detok_num_output_tokens="num_output_tokens",
+    detok_output_token_ids="output_token_ids", detok_get_next_output_text="get_next_output_text",
+    collector_put="put", collector_output="output", collector_ready="ready",
+    collector_aggregate="aggregate", output_add="add", request_finished="request_finished",
+    update_from_output="update_from_output", mm_processor_cache="mm_processor_cache",
+    invalidate="invalidate",
+)
+# Where each ObjectFields name lives: (class, fields of ObjectFields). Instance
+# attributes set in __init__ are checked on a built object (`check_object_fields`).
+_METHOD_OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ParentRequest", ("get_outputs",)),
+    ("IncrementalDetokenizer", ("detok_update", "detok_num_output_tokens", "detok_output_token_ids",
+                                "detok_get_next_output_text")),
+    ("RequestOutputCollector", ("collector_put",)),
+    ("RequestOutput", ("output_add",)),
+    ("LoRARequestStates", ("request_finished",)),
+    ("IterationStats", ("update_from_output",)),
 )
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2, "error": 3, "repetition": 4}
 # RequestOutput fields set from the request at add time (the rest per output).
@@ -446,6 +472,36 @@ def check_engine_core_output(expected: tuple[str, ...] = ECO_STRUCT_FIELDS,
     return None
 
 
+def check_object_methods(fields: ObjectFields | None = None) -> str | None:
+    """The methods the core calls on vLLM's objects, by the names it was given."""
+    fields = fields or OBJECT_FIELDS
+    classes = {"ParentRequest": ParentRequest, "IncrementalDetokenizer": IncrementalDetokenizer,
+               "RequestOutputCollector": RequestOutputCollector, "RequestOutput": RequestOutput,
+               "LoRARequestStates": LoRARequestStates, "IterationStats": IterationStats}
+    missing = [f"{owner}.{getattr(fields, f)}" for owner, names in _METHOD_OWNERS for f in names
+               if not hasattr(classes[owner], getattr(fields, f))]
+    return f"vLLM objects lack what the core calls: {missing}" if missing else None
+
+
+_STATE_ATTRS = ("is_prefilling", "num_cached_tokens", "num_cache_creation_tokens", "prompt_len",
+                "sent_tokens_offset", "spec_decode_metrics", "weight_version_starts",
+                "remote_prefill_cached_tokens", "lora_name", "stats")
+_PARENT_ATTRS = ("child_requests", "parent_request_id")
+_COLLECTOR_ATTRS = ("collector_output", "collector_ready", "collector_aggregate")
+
+
+def check_request_objects(state: Any, parent: Any, queue: Any,
+                          fields: ObjectFields | None = None) -> str | None:
+    """The instance attributes the core reads and writes, on one request's real
+    RequestState (and its ParentRequest and collector, when it has them)."""
+    fields = fields or OBJECT_FIELDS
+    groups = [("RequestState", state, _STATE_ATTRS), ("ParentRequest", parent, _PARENT_ATTRS),
+              ("RequestOutputCollector", queue, _COLLECTOR_ATTRS)]
+    missing = [f"{what}.{getattr(fields, f)}" for what, obj, names in groups if obj is not None
+               for f in names if not hasattr(obj, getattr(fields, f))]
+    return f"vLLM objects lack what the core reads: {missing}" if missing else None
+
+
 def check_finish_reasons() -> str | None:
     for name, code in FINISH_CODES.items():
         member = FinishReason(code) if code in FinishReason._value2member_map_ else None
@@ -492,7 +548,7 @@ class Adapter(VllmAdapter):
     def self_check(self, tokenizer: Any, vocab: Any) -> SelfCheck:
         why, ro_base, co_base = check_outputs()
         return SelfCheck(
-            outputs=why or check_finish_reasons(),
+            outputs=why or check_finish_reasons() or check_object_methods(),
             eco_offsets=check_engine_core_output(self.ECO_STRUCT_FIELDS, self.version),
             detok=None if vocab is None else _check_vocab(vocab),
             ro_base=ro_base, co_base=co_base,
@@ -517,6 +573,7 @@ class Adapter(VllmAdapter):
             finish_error=int(FinishReason.ERROR),
             eco_fields=ECO_FIELDS,
             output_fields=OUTPUT_FIELDS,
+            object_fields=OBJECT_FIELDS,
             helpers=self.core_helpers(stock),
             lora_states=lora_states,
             eco_offsets=check.eco_offsets is None,
@@ -614,6 +671,9 @@ class Adapter(VllmAdapter):
 
     def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]:
         return native_vocab(tokenizer)
+
+    def check_request_objects(self, state: Any, parent: Any, queue: Any) -> str | None:
+        return check_request_objects(state, parent, queue)
 
     def stock_state(self, stock: StockSide, request_id: str) -> Any:
         """The RequestState the stock processor holds for `request_id`, or None."""

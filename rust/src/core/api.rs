@@ -47,6 +47,7 @@ impl OutputCore {
                     finish_objs: spec.finish_reasons.into_iter().map(Bound::unbind).collect(),
                     finish,
                     fields: OutFields::new(py, &spec.output_fields),
+                    obj: ObjFields::new(py, &spec.object_fields),
                 },
                 helpers: Helpers {
                     stock_step: callable("stock_step", h.stock_step)?,
@@ -151,7 +152,9 @@ impl OutputCore {
             let queue = match queue {
                 None => None,
                 Some(q) => {
-                    let exact = q.get_type().is(self.cls.collector.bind(py));
+                    // Only fast requests' outputs are put inline; the others go
+                    // through the collector's own `put`.
+                    let exact = fast.is_some() && q.get_type().is(self.cls.collector.bind(py));
                     let dict = if exact {
                         q.getattr("__dict__")?.cast_into::<PyDict>().ok()
                     } else {
@@ -159,7 +162,7 @@ impl OutputCore {
                     };
                     let ready = match &dict {
                         Some(_) => {
-                            let r = q.getattr("ready")?;
+                            let r = q.getattr(self.cls.obj.collector_ready.bind(py))?;
                             if r.get_type().is(self.cls.event.bind(py)) {
                                 r.getattr("__dict__")?
                                     .cast_into::<PyDict>()
@@ -175,7 +178,8 @@ impl OutputCore {
                         obj: q.clone().unbind(),
                         exact,
                         aggregate: if exact {
-                            q.getattr("aggregate")?.extract()?
+                            q.getattr(self.cls.obj.collector_aggregate.bind(py))?
+                                .extract()?
                         } else {
                             false
                         },
@@ -237,29 +241,54 @@ impl OutputCore {
                     }))
                 }
             };
-            let remote: Bound<'_, PyAny> = state.getattr("remote_prefill_cached_tokens")?;
+            let o = &self.cls.obj;
+            let get = |name: &Py<PyString>| state.getattr(name.bind(py));
+            // A stock-owned request's progress is the stock processor's to keep.
+            let progress = match &mode {
+                Mode::Fast(_) => {
+                    let remote = get(&o.remote_prefill_cached_tokens)?;
+                    Progress {
+                        stats: get(&o.stats)?.unbind(),
+                        prompt_len: get(&o.prompt_len)?.extract()?,
+                        is_prefilling: get(&o.is_prefilling)?.extract()?,
+                        num_cached_tokens: get(&o.num_cached_tokens)?.unbind(),
+                        num_cache_creation_tokens: get(&o.num_cache_creation_tokens)?.unbind(),
+                        remote_prefill_cached_tokens: (!remote.is_none()).then(|| remote.unbind()),
+                    }
+                }
+                Mode::Stock => Progress {
+                    stats: py.None(),
+                    prompt_len: 0,
+                    is_prefilling: false,
+                    num_cached_tokens: py.None(),
+                    num_cache_creation_tokens: py.None(),
+                    remote_prefill_cached_tokens: None,
+                },
+            };
             let req = Req {
                 id: request_id.clone().unbind(),
                 state: state.clone().unbind(),
                 parent: parent.map(|p| p.clone().unbind()),
                 siblings: match parent {
-                    Some(p) => Some(p.getattr("child_requests")?.unbind()),
+                    Some(p) => Some(p.getattr(o.child_requests.bind(py))?.unbind()),
                     None => None,
                 },
                 queue,
-                lora_name: state.getattr("lora_name")?.unbind(),
-                stats: state.getattr("stats")?.unbind(),
-                prompt_len: state.getattr("prompt_len")?.extract()?,
-                is_prefilling: state.getattr("is_prefilling")?.extract()?,
-                num_cached_tokens: state.getattr("num_cached_tokens")?.unbind(),
-                num_cache_creation_tokens: state.getattr("num_cache_creation_tokens")?.unbind(),
-                remote_prefill_cached_tokens: (!remote.is_none()).then(|| remote.unbind()),
+                lora_name: get(&o.lora_name)?.unbind(),
+                stats: progress.stats,
+                prompt_len: progress.prompt_len,
+                is_prefilling: progress.is_prefilling,
+                num_cached_tokens: progress.num_cached_tokens,
+                num_cache_creation_tokens: progress.num_cache_creation_tokens,
+                remote_prefill_cached_tokens: progress.remote_prefill_cached_tokens,
                 streaming,
                 is_pooling,
                 mode,
             };
             if let Some(p) = parent {
-                let pid: String = p.getattr("request_id")?.extract()?;
+                let pid: String = p
+                    .getattr(self.cls.obj.parent_request_id.bind(py))?
+                    .extract()?;
                 self.parents.insert(pid, p.clone().unbind());
             }
             self.table
@@ -391,8 +420,10 @@ impl OutputCore {
             }
             if let Some(parent) = &req.parent {
                 let p = parent.bind(py);
-                if p.getattr("child_requests")?.len()? == 0 {
-                    let pid: String = p.getattr("request_id")?.extract()?;
+                if p.getattr(self.cls.obj.child_requests.bind(py))?.len()? == 0 {
+                    let pid: String = p
+                        .getattr(self.cls.obj.parent_request_id.bind(py))?
+                        .extract()?;
                     self.parents.remove(&pid);
                 }
             }
@@ -422,7 +453,7 @@ impl OutputCore {
                 .table
                 .by_id(request_id)
                 .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
-            Self::sync_state(py, req)?;
+            Self::sync_state(&self.cls, py, req)?;
             Ok(req.state.clone_ref(py))
         })
     }
@@ -432,7 +463,7 @@ impl OutputCore {
             let d = PyDict::new(py);
             for id in self.table.ids() {
                 let req = self.table.by_id(id).unwrap();
-                Self::sync_state(py, req)?;
+                Self::sync_state(&self.cls, py, req)?;
                 d.set_item(req.id.bind(py), req.state.bind(py))?;
             }
             Ok(d)
@@ -478,8 +509,13 @@ impl OutputCore {
                     }
                     Mode::Stock => {
                         let st = r.state.bind(py);
-                        if st.getattr("is_prefilling")?.extract::<bool>()? {
-                            total += st.getattr("prompt_len")?.extract::<usize>()?;
+                        if st
+                            .getattr(self.cls.obj.is_prefilling.bind(py))?
+                            .extract::<bool>()?
+                        {
+                            total += st
+                                .getattr(self.cls.obj.prompt_len.bind(py))?
+                                .extract::<usize>()?;
                         }
                     }
                 }
@@ -526,4 +562,14 @@ impl OutputCore {
         visit.call(&self.lora_states)?;
         Ok(())
     }
+}
+
+/// The fields of `Req` a fast request keeps in sync with its RequestState.
+struct Progress {
+    stats: Py<PyAny>,
+    prompt_len: usize,
+    is_prefilling: bool,
+    num_cached_tokens: Py<PyAny>,
+    num_cache_creation_tokens: Py<PyAny>,
+    remote_prefill_cached_tokens: Option<Py<PyAny>>,
 }

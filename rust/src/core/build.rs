@@ -88,12 +88,15 @@ impl Classes {
             Detok::Python(detok) => {
                 let detok = detok.bind(py);
                 let all = if f.stream_interval > 1 || !delta {
-                    Some(detok.getattr(s!(py, "output_token_ids"))?)
+                    Some(detok.getattr(self.obj.detok_output_token_ids.bind(py))?)
                 } else {
                     None
                 };
                 (
-                    detok.call_method1(s!(py, "get_next_output_text"), (finished, delta))?,
+                    detok.call_method1(
+                        self.obj.detok_get_next_output_text.bind(py),
+                        (finished, delta),
+                    )?,
                     all,
                 )
             }
@@ -145,7 +148,7 @@ impl Classes {
                 } else {
                     let r = parent
                         .bind(py)
-                        .call_method1(s!(py, "get_outputs"), (req.id.bind(py), co))?;
+                        .call_method1(self.obj.get_outputs.bind(py), (req.id.bind(py), co))?;
                     let (outs, fin): (Bound<'py, PyAny>, bool) = r.extract()?;
                     if !outs.is_truthy()? {
                         return Ok(None);
@@ -181,20 +184,20 @@ impl OutputCore {
     ) -> PyResult<()> {
         let obj = q.obj.bind(py);
         let Some(d) = q.dict.as_ref().filter(|_| q.exact) else {
-            obj.call_method1(s!(py, "put"), (out,))?;
+            obj.call_method1(self.cls.obj.collector_put.bind(py), (out,))?;
             return Ok(());
         };
         // RequestOutputCollector.put, inlined for the RequestOutput case.
         let d = d.bind(py);
-        let cur = match d.get_item(s!(py, "output"))? {
+        let cur = match d.get_item(self.cls.obj.collector_output.bind(py))? {
             Some(c) => c,
-            None => obj.getattr(s!(py, "output"))?,
+            None => obj.getattr(self.cls.obj.collector_output.bind(py))?,
         };
         if cur.is_none() {
-            d.set_item(s!(py, "output"), out)?;
-            Self::set_ready(py, q, d)?;
+            d.set_item(self.cls.obj.collector_output.bind(py), out)?;
+            Self::set_ready(&self.cls.obj, py, q, d)?;
         } else if cur.is_instance(self.cls.request_output.bind(py))? {
-            cur.call_method1(s!(py, "add"), (out, q.aggregate))?;
+            cur.call_method1(self.cls.obj.output_add.bind(py), (out, q.aggregate))?;
             // The merged output keeps a terminal error even where RequestOutput.add
             // is not patched (install() patches it for other callers).
             let err = out.getattr(self.cls.fields.error.bind(py))?;
@@ -206,10 +209,15 @@ impl OutputCore {
     }
 
     /// `collector.ready.set()`: with no waiter, `Event.set` only sets `_value`.
-    pub(super) fn set_ready(py: Python<'_>, q: &Queue, d: &Bound<'_, PyDict>) -> PyResult<()> {
-        let ready = match d.get_item(s!(py, "ready"))? {
+    pub(super) fn set_ready(
+        obj: &ObjFields,
+        py: Python<'_>,
+        q: &Queue,
+        d: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
+        let ready = match d.get_item(obj.collector_ready.bind(py))? {
             Some(r) => r,
-            None => q.obj.bind(py).getattr(s!(py, "ready"))?,
+            None => q.obj.bind(py).getattr(obj.collector_ready.bind(py))?,
         };
         if let Some((ev, evd)) = &q.ready {
             if ready.is(ev) {

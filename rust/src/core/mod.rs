@@ -176,40 +176,79 @@ struct Classes {
     finish_objs: Vec<Py<PyAny>>,
     finish: FinishCodes,
     fields: OutFields,
+    /// Names on vLLM's per-request objects (RequestState, ParentRequest, ...).
+    obj: ObjFields,
 }
 
-macro_rules! output_fields {
-    ($($field:ident),* $(,)?) => {
-        /// `vllm_adapter.base.OutputFields`: vLLM's names of the output fields the
-        /// fast path fills.
+/// A struct of vLLM attribute names read from the adapter's spec (by field name),
+/// and the same names interned once.
+macro_rules! name_table {
+    ($(#[$m:meta])* $spec:ident => $interned:ident { $($field:ident),* $(,)? }) => {
+        $(#[$m])*
         #[derive(FromPyObject)]
-        struct OutputFieldNames { $($field: String),* }
+        struct $spec { $($field: String),* }
 
-        /// The same names, interned once.
-        struct OutFields { $($field: Py<PyString>),* }
+        struct $interned { $($field: Py<PyString>),* }
 
-        impl OutFields {
-            fn new(py: Python<'_>, n: &OutputFieldNames) -> Self {
+        impl $interned {
+            fn new(py: Python<'_>, n: &$spec) -> Self {
                 Self { $($field: PyString::intern(py, &n.$field).unbind()),* }
             }
         }
     };
 }
 
-output_fields!(
-    outputs,
-    finished,
-    kv_transfer_params,
-    ec_transfer_params,
-    num_cached_tokens,
-    num_cache_creation_tokens,
-    error,
-    text,
-    token_ids,
-    finish_reason,
-    stop_reason,
-    spec_decode_metrics,
-    weight_versions,
+name_table!(
+    /// `vllm_adapter.base.OutputFields`: vLLM's names of the output fields the
+    /// fast path fills.
+    OutputFieldNames => OutFields {
+        outputs,
+        finished,
+        kv_transfer_params,
+        ec_transfer_params,
+        num_cached_tokens,
+        num_cache_creation_tokens,
+        error,
+        text,
+        token_ids,
+        finish_reason,
+        stop_reason,
+        spec_decode_metrics,
+        weight_versions,
+    }
+);
+
+name_table!(
+    /// `vllm_adapter.base.ObjectFields`: vLLM's names of the attributes and methods
+    /// of its per-request objects the core reads, writes or calls.
+    ObjectFieldNames => ObjFields {
+        is_prefilling,
+        num_cached_tokens,
+        num_cache_creation_tokens,
+        prompt_len,
+        sent_tokens_offset,
+        spec_decode_metrics,
+        weight_version_starts,
+        remote_prefill_cached_tokens,
+        lora_name,
+        stats,
+        child_requests,
+        parent_request_id,
+        get_outputs,
+        detok_update,
+        detok_num_output_tokens,
+        detok_output_token_ids,
+        detok_get_next_output_text,
+        collector_put,
+        collector_output,
+        collector_ready,
+        collector_aggregate,
+        output_add,
+        request_finished,
+        update_from_output,
+        mm_processor_cache,
+        invalidate,
+    }
 );
 
 /// The `FinishReason` codes the loop acts on, from the adapter.
@@ -236,6 +275,7 @@ struct CoreSpec<'py> {
     finish_error: i64,
     eco_fields: EcoFieldNames,
     output_fields: OutputFieldNames,
+    object_fields: ObjectFieldNames,
     helpers: HelperSpec<'py>,
     lora_states: Bound<'py, PyAny>,
     eco_offsets: bool,

@@ -7,27 +7,30 @@ use super::*;
 impl OutputCore {
     /// Write the Rust-owned mutable fields back into the stock RequestState.
     /// (A stock-owned request's state is the stock processor's: nothing to write.)
-    pub(super) fn sync_state(py: Python<'_>, req: &Req) -> PyResult<()> {
+    pub(super) fn sync_state(cls: &Classes, py: Python<'_>, req: &Req) -> PyResult<()> {
         let Mode::Fast(f) = &req.mode else {
             return Ok(());
         };
         let st = req.state.bind(py);
-        st.setattr(s!(py, "is_prefilling"), req.is_prefilling)?;
-        st.setattr(s!(py, "num_cached_tokens"), req.num_cached_tokens.bind(py))?;
+        st.setattr(cls.obj.is_prefilling.bind(py), req.is_prefilling)?;
         st.setattr(
-            s!(py, "num_cache_creation_tokens"),
+            cls.obj.num_cached_tokens.bind(py),
+            req.num_cached_tokens.bind(py),
+        )?;
+        st.setattr(
+            cls.obj.num_cache_creation_tokens.bind(py),
             req.num_cache_creation_tokens.bind(py),
         )?;
-        st.setattr(s!(py, "sent_tokens_offset"), f.sent_offset)?;
+        st.setattr(cls.obj.sent_tokens_offset.bind(py), f.sent_offset)?;
         st.setattr(
-            s!(py, "spec_decode_metrics"),
+            cls.obj.spec_decode_metrics.bind(py),
             f.spec_decode_metrics.as_ref().map(|m| m.bind(py).clone()),
         )?;
         let starts = PyList::empty(py);
         for (v, s) in &f.weight_starts {
             starts.append((v.bind(py), *s))?;
         }
-        st.setattr(s!(py, "weight_version_starts"), starts)?;
+        st.setattr(cls.obj.weight_version_starts.bind(py), starts)?;
         Ok(())
     }
 
@@ -66,7 +69,7 @@ impl OutputCore {
 
     pub(super) fn demote(&mut self, py: Python<'_>, slot: usize, reason: &str) -> PyResult<()> {
         let req = self.table.get_mut(slot).unwrap();
-        Self::sync_state(py, req)?;
+        Self::sync_state(&self.cls, py, req)?;
         self.helpers.adopt(py, req)?;
         req.mode = Mode::Stock;
         self.helpers
@@ -114,8 +117,10 @@ impl OutputCore {
         };
         if let Some(parent) = &req.parent {
             let p = parent.bind(py);
-            if p.getattr(s!(py, "child_requests"))?.len()? == 0 {
-                let pid: String = p.getattr(s!(py, "request_id"))?.extract()?;
+            if p.getattr(self.cls.obj.child_requests.bind(py))?.len()? == 0 {
+                let pid: String = p
+                    .getattr(self.cls.obj.parent_request_id.bind(py))?
+                    .extract()?;
                 self.parents.remove(&pid);
             }
         }
@@ -123,7 +128,7 @@ impl OutputCore {
             aborts.append(req.id.bind(py))?;
         }
         if !iteration_stats.is_none() {
-            Self::sync_state(py, &req)?;
+            Self::sync_state(&self.cls, py, &req)?;
             self.helpers.finished_stats.bind(py).call1((
                 self.lora_states.bind(py),
                 iteration_stats,
@@ -143,7 +148,7 @@ impl OutputCore {
         parent: &Bound<'py, PyAny>,
         aborts: &Bound<'py, PyList>,
     ) -> PyResult<()> {
-        let children = parent.getattr(s!(py, "child_requests"))?;
+        let children = parent.getattr(self.cls.obj.child_requests.bind(py))?;
         let ids: Vec<String> =
             PyList::new(py, children.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.extract()?;
         for cid in ids {
@@ -152,7 +157,7 @@ impl OutputCore {
                 if let Some(req) = self.table.pop_aborted(&rid) {
                     self.take_back_if_stock(py, &req)?;
                     self.lora_states.bind(py).call_method1(
-                        s!(py, "request_finished"),
+                        self.cls.obj.request_finished.bind(py),
                         (req.id.bind(py), req.lora_name.bind(py)),
                     )?;
                     aborts.append(req.id.bind(py))?;
@@ -161,7 +166,9 @@ impl OutputCore {
             }
         }
         children.call_method0(s!(py, "clear"))?;
-        let pid: String = parent.getattr(s!(py, "request_id"))?.extract()?;
+        let pid: String = parent
+            .getattr(self.cls.obj.parent_request_id.bind(py))?
+            .extract()?;
         self.parents.remove(&pid);
         Ok(())
     }
@@ -201,17 +208,17 @@ impl OutputCore {
                 let src = src.bind(py);
                 // Either the cache itself or an object holding it (the renderer),
                 // read now because the renderer may rebuild its cache.
-                if src.hasattr(s!(py, "invalidate"))? {
+                if src.hasattr(self.cls.obj.invalidate.bind(py))? {
                     Some(src.clone())
                 } else {
-                    let c = src.getattr(s!(py, "mm_processor_cache"))?;
+                    let c = src.getattr(self.cls.obj.mm_processor_cache.bind(py))?;
                     (!c.is_none()).then_some(c)
                 }
             }
         };
         if let Some(cache) = cache {
             for h in self.misses.hashes() {
-                cache.call_method1(s!(py, "invalidate"), (h.as_str(),))?;
+                cache.call_method1(self.cls.obj.invalidate.bind(py), (h.as_str(),))?;
                 self.invalidations += 1;
             }
         }
@@ -258,16 +265,16 @@ impl OutputCore {
             return Ok(()); // finished (terminal output published) before the panic
         };
         self.failed_steps += 1;
-        Self::sync_state(py, &req)?;
+        Self::sync_state(&self.cls, py, &req)?;
         self.take_back_if_stock(py, &req)?;
         if let Some(p) = &req.parent {
             let p = p.bind(py);
-            p.getattr(s!(py, "child_requests"))?
+            p.getattr(self.cls.obj.child_requests.bind(py))?
                 .call_method1(s!(py, "discard"), (rid.as_str(),))?;
             self.abort_siblings(py, p, cx.aborts)?;
         }
         self.lora_states.bind(py).call_method1(
-            s!(py, "request_finished"),
+            self.cls.obj.request_finished.bind(py),
             (req.id.bind(py), req.lora_name.bind(py)),
         )?;
         cx.aborts.append(req.id.bind(py))?;
@@ -403,7 +410,7 @@ impl OutputCore {
             aborts,
         } = *cx;
         let req = self.table.get(slot).unwrap();
-        Self::sync_state(py, req)?;
+        Self::sync_state(&self.cls, py, req)?;
         self.helpers.adopt(py, req)?;
         // The error output is built by vLLM-aware Python code (rare path); it
         // also runs the iteration-stats update for this output.
@@ -420,7 +427,7 @@ impl OutputCore {
         if let Some(p) = &parent {
             // Take this child out of the parent before aborting its siblings.
             p.bind(py)
-                .getattr(s!(py, "child_requests"))?
+                .getattr(self.cls.obj.child_requests.bind(py))?
                 .call_method1(s!(py, "discard"), (rid,))?;
         }
         if let Some(p) = &parent {
@@ -470,7 +477,7 @@ impl OutputCore {
         // 1) Iteration stats, with vLLM's own update function.
         if !iteration_stats.is_none() {
             iteration_stats.call_method1(
-                s!(py, "update_from_output"),
+                self.cls.obj.update_from_output.bind(py),
                 (
                     ev.obj(),
                     ts,
@@ -483,9 +490,12 @@ impl OutputCore {
         }
         if let Some(ps) = prefill_stats {
             if !ps.is_none() {
-                req.num_cached_tokens = ps.getattr(s!(py, "num_cached_tokens"))?.unbind();
-                req.num_cache_creation_tokens =
-                    ps.getattr(s!(py, "num_cache_creation_tokens"))?.unbind();
+                req.num_cached_tokens = ps
+                    .getattr(self.cls.obj.num_cached_tokens.bind(py))?
+                    .unbind();
+                req.num_cache_creation_tokens = ps
+                    .getattr(self.cls.obj.num_cache_creation_tokens.bind(py))?
+                    .unbind();
             }
             if let Some(r) = &req.remote_prefill_cached_tokens {
                 req.num_cached_tokens = r.clone_ref(py);
@@ -526,10 +536,14 @@ impl OutputCore {
         let (stop, n_now): (Option<Bound<'py, PyAny>>, usize) = match &mut f.detok {
             Detok::Python(detok) => {
                 let detok = detok.bind(py);
-                let stop = detok.call_method1(s!(py, "update"), (&new_ids, stop_terminated))?;
+                let stop = detok.call_method1(
+                    self.cls.obj.detok_update.bind(py),
+                    (&new_ids, stop_terminated),
+                )?;
                 if stop.is_truthy()? {
-                    let n_now: usize =
-                        detok.call_method0(s!(py, "num_output_tokens"))?.extract()?;
+                    let n_now: usize = detok
+                        .call_method0(self.cls.obj.detok_num_output_tokens.bind(py))?
+                        .extract()?;
                     (Some(stop), n_now)
                 } else {
                     (None, f.n_out + n_new)
@@ -604,8 +618,10 @@ impl OutputCore {
     fn forget_parent_if_done(&mut self, py: Python<'_>, req: &Req) -> PyResult<()> {
         if let Some(parent) = &req.parent {
             let p = parent.bind(py);
-            if p.getattr(s!(py, "child_requests"))?.len()? == 0 {
-                let pid: String = p.getattr(s!(py, "request_id"))?.extract()?;
+            if p.getattr(self.cls.obj.child_requests.bind(py))?.len()? == 0 {
+                let pid: String = p
+                    .getattr(self.cls.obj.parent_request_id.bind(py))?
+                    .extract()?;
                 self.parents.remove(&pid);
             }
         }
@@ -631,7 +647,7 @@ impl OutputCore {
                         .call1((req.id.bind(py),))?;
                 } else {
                     self.lora_states.bind(py).call_method1(
-                        s!(py, "request_finished"),
+                        self.cls.obj.request_finished.bind(py),
                         (req.id.bind(py), req.lora_name.bind(py)),
                     )?;
                     if req.queue.is_some() {
@@ -653,7 +669,9 @@ impl OutputCore {
                 }
                 self.forget_parent_if_done(py, &req)?;
             } else if let Some(parent) = self.parents.get(&id).map(|p| p.clone_ref(py)) {
-                let children = parent.bind(py).getattr(s!(py, "child_requests"))?;
+                let children = parent
+                    .bind(py)
+                    .getattr(self.cls.obj.child_requests.bind(py))?;
                 let kids: Vec<String> = children
                     .try_iter()?
                     .map(|c| c?.extract::<String>())
