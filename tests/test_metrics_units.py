@@ -105,7 +105,8 @@ def test_events_and_info() -> None:
     metrics.set_info(native_loop=True, native_detok=False)
     metrics.set_info(native_loop=True, native_detok=True)
     from vllm_mmretry import __version__
+    from vllm_mmretry.vllm_adapter import installed_vllm_version
 
-    on = {"version": __version__, "vllm_version": "0.32.0", "native_loop": "1"}
+    on = {"version": __version__, "vllm_version": installed_vllm_version(), "native_loop": "1"}
     assert sample("vllm_mmretry_info", **on, native_detok="1") == 1
     assert sample("vllm_mmretry_info", **on, native_detok="0") == 0  # superseded

@@ -275,12 +275,7 @@ impl OutputCore {
                 },
                 queue,
                 lora_name: get(&o.lora_name)?.unbind(),
-                stats: progress.stats,
-                prompt_len: progress.prompt_len,
-                is_prefilling: progress.is_prefilling,
-                num_cached_tokens: progress.num_cached_tokens,
-                num_cache_creation_tokens: progress.num_cache_creation_tokens,
-                remote_prefill_cached_tokens: progress.remote_prefill_cached_tokens,
+                progress,
                 streaming,
                 is_pooling,
                 mode,
@@ -503,8 +498,8 @@ impl OutputCore {
             for r in self.table.values() {
                 match r.mode {
                     Mode::Fast(_) => {
-                        if r.is_prefilling {
-                            total += r.prompt_len;
+                        if r.progress.is_prefilling {
+                            total += r.progress.prompt_len;
                         }
                     }
                     Mode::Stock => {
@@ -562,14 +557,4 @@ impl OutputCore {
         visit.call(&self.lora_states)?;
         Ok(())
     }
-}
-
-/// The fields of `Req` a fast request keeps in sync with its RequestState.
-struct Progress {
-    stats: Py<PyAny>,
-    prompt_len: usize,
-    is_prefilling: bool,
-    num_cached_tokens: Py<PyAny>,
-    num_cache_creation_tokens: Py<PyAny>,
-    remote_prefill_cached_tokens: Option<Py<PyAny>>,
 }

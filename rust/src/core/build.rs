@@ -185,7 +185,7 @@ impl OutputCore {
         let obj = q.obj.bind(py);
         let Some(d) = q.dict.as_ref().filter(|_| q.exact) else {
             obj.call_method1(self.cls.obj.collector_put.bind(py), (out,))?;
-            return Ok(());
+            return self.keep_error_in_merged(py, obj, out);
         };
         // RequestOutputCollector.put, inlined for the RequestOutput case.
         let d = d.bind(py);
@@ -203,6 +203,27 @@ impl OutputCore {
             let err = out.getattr(self.cls.fields.error.bind(py))?;
             if !err.is_none() {
                 cur.setattr(self.cls.fields.error.bind(py), err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the collector's own `put` merged `out` into an output it held: that
+    /// output keeps `out`'s terminal error even where `RequestOutput.add` is not
+    /// patched (as the inlined put does).
+    fn keep_error_in_merged<'py>(
+        &self,
+        py: Python<'py>,
+        collector: &Bound<'py, PyAny>,
+        out: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        let error = self.cls.fields.error.bind(py);
+        let Some(err) = out.getattr(error).ok().filter(|e| !e.is_none()) else {
+            return Ok(());
+        };
+        if let Ok(merged) = collector.getattr(self.cls.obj.collector_output.bind(py)) {
+            if !merged.is(out) && merged.is_instance(self.cls.request_output.bind(py))? {
+                merged.setattr(error, err)?;
             }
         }
         Ok(())

@@ -154,15 +154,21 @@ struct Req {
     siblings: Option<Py<PyAny>>,
     queue: Option<Queue>,
     lora_name: Py<PyAny>,
+    progress: Progress,
+    streaming: bool,
+    is_pooling: bool,
+    mode: Mode,
+}
+
+/// What a fast request keeps of its RequestState's progress (written back by
+/// `sync_state`); a stock-owned request's stays at its defaults.
+struct Progress {
     stats: Py<PyAny>,
     prompt_len: usize,
     is_prefilling: bool,
     num_cached_tokens: Py<PyAny>,
     num_cache_creation_tokens: Py<PyAny>,
     remote_prefill_cached_tokens: Option<Py<PyAny>>,
-    streaming: bool,
-    is_pooling: bool,
-    mode: Mode,
 }
 
 /// Python classes and helper functions the core calls.

@@ -12,14 +12,14 @@ impl OutputCore {
             return Ok(());
         };
         let st = req.state.bind(py);
-        st.setattr(cls.obj.is_prefilling.bind(py), req.is_prefilling)?;
+        st.setattr(cls.obj.is_prefilling.bind(py), req.progress.is_prefilling)?;
         st.setattr(
             cls.obj.num_cached_tokens.bind(py),
-            req.num_cached_tokens.bind(py),
+            req.progress.num_cached_tokens.bind(py),
         )?;
         st.setattr(
             cls.obj.num_cache_creation_tokens.bind(py),
-            req.num_cache_creation_tokens.bind(py),
+            req.progress.num_cache_creation_tokens.bind(py),
         )?;
         st.setattr(cls.obj.sent_tokens_offset.bind(py), f.sent_offset)?;
         st.setattr(
@@ -466,7 +466,7 @@ impl OutputCore {
         let engine_finished = fr.is_some();
         let prefill_stats = {
             let req = self.table.get(slot).unwrap();
-            if req.is_prefilling {
+            if req.progress.is_prefilling {
                 Some(er.get(ev, F::PrefillStats)?)
             } else {
                 None
@@ -481,8 +481,8 @@ impl OutputCore {
                 (
                     ev.obj(),
                     ts,
-                    req.is_prefilling,
-                    req.stats.bind(py),
+                    req.progress.is_prefilling,
+                    req.progress.stats.bind(py),
                     self.lora_states.bind(py),
                     req.lora_name.bind(py),
                 ),
@@ -490,26 +490,26 @@ impl OutputCore {
         }
         if let Some(ps) = prefill_stats {
             if !ps.is_none() {
-                req.num_cached_tokens = ps
+                req.progress.num_cached_tokens = ps
                     .getattr(self.cls.obj.num_cached_tokens.bind(py))?
                     .unbind();
-                req.num_cache_creation_tokens = ps
+                req.progress.num_cache_creation_tokens = ps
                     .getattr(self.cls.obj.num_cache_creation_tokens.bind(py))?
                     .unbind();
             }
-            if let Some(r) = &req.remote_prefill_cached_tokens {
-                req.num_cached_tokens = r.clone_ref(py);
+            if let Some(r) = &req.progress.remote_prefill_cached_tokens {
+                req.progress.num_cached_tokens = r.clone_ref(py);
             }
-            req.is_prefilling = false;
+            req.progress.is_prefilling = false;
             if let Mode::Fast(f) = &req.mode {
                 let t = f.ro_template.bind(py);
                 t.set_item(
                     self.cls.fields.num_cached_tokens.bind(py),
-                    req.num_cached_tokens.bind(py),
+                    req.progress.num_cached_tokens.bind(py),
                 )?;
                 t.set_item(
                     self.cls.fields.num_cache_creation_tokens.bind(py),
-                    req.num_cache_creation_tokens.bind(py),
+                    req.progress.num_cache_creation_tokens.bind(py),
                 )?;
             }
         }
