@@ -410,19 +410,8 @@ impl OutputCore {
                 .table
                 .remove(request_id)
                 .ok_or_else(|| PyKeyError::new_err(request_id.to_owned()))?;
-            if matches!(req.mode, Mode::Stock) {
-                self.helpers.take_back.bind(py).call1((req.id.bind(py),))?;
-            }
-            if let Some(parent) = &req.parent {
-                let p = parent.bind(py);
-                if p.getattr(self.cls.obj.child_requests.bind(py))?.len()? == 0 {
-                    let pid: String = p
-                        .getattr(self.cls.obj.parent_request_id.bind(py))?
-                        .extract()?;
-                    self.parents.remove(&pid);
-                }
-            }
-            Ok(())
+            self.take_back_if_stock(py, &req)?;
+            self.forget_parent_if_done(py, &req)
         })
     }
 

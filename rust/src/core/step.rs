@@ -115,15 +115,7 @@ impl OutputCore {
         let Some(req) = self.table.remove(id) else {
             return Ok(());
         };
-        if let Some(parent) = &req.parent {
-            let p = parent.bind(py);
-            if p.getattr(self.cls.obj.child_requests.bind(py))?.len()? == 0 {
-                let pid: String = p
-                    .getattr(self.cls.obj.parent_request_id.bind(py))?
-                    .extract()?;
-                self.parents.remove(&pid);
-            }
-        }
+        self.forget_parent_if_done(py, &req)?;
         if !engine_finished {
             aborts.append(req.id.bind(py))?;
         }
@@ -174,7 +166,7 @@ impl OutputCore {
     }
 
     /// The stock processor forgets a request the core answers or aborts itself.
-    fn take_back_if_stock(&self, py: Python<'_>, req: &Req) -> PyResult<()> {
+    pub(super) fn take_back_if_stock(&self, py: Python<'_>, req: &Req) -> PyResult<()> {
         if matches!(req.mode, Mode::Stock) {
             self.helpers.take_back.bind(py).call1((req.id.bind(py),))?;
         }
@@ -613,9 +605,10 @@ impl OutputCore {
         Ok(())
     }
 
-    /// Drop the parent of an aborted child once it has no child left (its last
-    /// sibling may have finished earlier): stock keeps such a parent forever.
-    fn forget_parent_if_done(&mut self, py: Python<'_>, req: &Req) -> PyResult<()> {
+    /// Drop the parent of a finished or aborted child once it has no child left
+    /// (after an abort its last sibling may have finished earlier: stock keeps
+    /// such a parent forever).
+    pub(super) fn forget_parent_if_done(&mut self, py: Python<'_>, req: &Req) -> PyResult<()> {
         if let Some(parent) = &req.parent {
             let p = parent.bind(py);
             if p.getattr(self.cls.obj.child_requests.bind(py))?.len()? == 0 {
