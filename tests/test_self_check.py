@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 import pytest
-from output_processor_support import ReqSpec, Side, add_to_both, norm
+from output_processor_support import ReqSpec, Side, add_to_both, new_iteration_stats, norm, norm_iteration_stats
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -32,12 +32,14 @@ SPECS = [
 ]
 
 
-def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = True) -> tuple[Any, list[Any], list[Any]]:
+def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = True,
+         log_stats: bool = False) -> tuple[Any, list[Any], list[Any]]:
     """The same requests and engine outputs through stock vLLM and ours:
-    (our processor, stock's outputs, ours), every output normalised in full."""
+    (our processor, stock's outputs, ours), every output normalised in full
+    (with `log_stats`, each step's IterationStats too)."""
     stock, ours = (
-        Side(StockOP(tokenizer, log_stats=False), async_mode),
-        Side(OurOP(tokenizer, log_stats=False), async_mode),
+        Side(StockOP(tokenizer, log_stats=log_stats), async_mode),
+        Side(OurOP(tokenizer, log_stats=log_stats), async_mode),
     )
     live, _ = add_to_both(stock, ours, SPECS)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
@@ -55,8 +57,10 @@ def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = Tr
                 for rid in live
                 if side.op.has_request(rid)
             ]
-            outs, aborts = side.step(ecos)
-            got.append(([norm(o) for o in outs], sorted(aborts), {k: norm(v) for k, v in side.drain().items()}))
+            its = new_iteration_stats() if log_stats else None
+            outs, aborts = side.step(ecos, ts=2000.0 + 0.37 * step, stats=its)
+            got.append(([norm(o) for o in outs], sorted(aborts), {k: norm(v) for k, v in side.drain().items()},
+                        norm_iteration_stats(its)))
     assert not ours.op.has_unfinished_requests()
     return ours.op, got_stock, got_ours
 
@@ -142,15 +146,16 @@ def test_engine_core_output_field_change_reads_by_name(
     assert _warned(caplog, "new_point_release_field")
 
 
-@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok", "objects"])
+@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok", "objects", "stats"])
 def test_forced_self_check_failure(
     tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, part: str
 ) -> None:
     monkeypatch.setenv(FORCE_SELF_CHECK_FAIL_ENV, part)
-    op, stock, ours = _run(tiny_tokenizer)
+    op, stock, ours = _run(tiny_tokenizer, log_stats=True)
     assert ours == stock
     c = op.counters()
     assert c["self_check_failed"] == {part: 1}
+    assert (c["native_stats_steps"] > 0) == (part not in ("stats", "outputs", "objects"))
     assert len(_warned(caplog, f"forced by {FORCE_SELF_CHECK_FAIL_ENV}")) == 1
     assert op._core.fast_field_reads == (part != "eco_offsets")
     if part in ("outputs", "objects"):
@@ -179,3 +184,39 @@ def test_request_object_name_mismatch_hands_requests_to_vllm(
     assert c["self_check_failed"] == {"objects": 1} and c["fast_steps"] == 0
     assert c["fallbacks"] == {"self_check_objects": 6}
     assert len(_warned(caplog, renamed)) == 1
+
+
+def test_native_decode_stats_equal_stock(tiny_tokenizer: Any) -> None:
+    """With statistics on, decode steps are recorded natively and every step's
+    IterationStats (latencies, token counts, finished records) equals stock's."""
+    op, stock, ours = _run(tiny_tokenizer, log_stats=True)
+    assert ours == stock
+    assert any(st is not None and "inter_token_latencies_iter', [0.74" in st for *_, st in ours)
+    c = op.counters()
+    assert c["self_check_failed"] == {} and c["native_stats_steps"] > 0
+
+
+# A name another vLLM could use for something else (present, wrong meaning) and
+# a name that is not there at all.
+@pytest.mark.parametrize(("field", "renamed"), [
+    ("stats_last_token_ts", "first_token_ts"),
+    ("stats_num_generation_tokens", "num_preemptions"),
+    ("iteration_inter_token_latencies", "time_to_first_tokens_iter"),
+    ("iteration_num_generation_tokens", "num_generation_tokens_v2"),
+])
+def test_stats_name_mismatch_steps_aside(
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    field: str, renamed: str,
+) -> None:
+    """The adapter's name for a statistics attribute is wrong for the running
+    vLLM: the start-up comparison with vLLM's update_from_output catches it, and
+    vLLM's function records every step (same stats as stock), with one WARNING
+    and the counter."""
+    monkeypatch.setattr(v0_32, "OBJECT_FIELDS",
+                        dataclasses.replace(v0_32.OBJECT_FIELDS, **{field: renamed}))
+    op, stock, ours = _run(tiny_tokenizer, log_stats=True)
+    assert ours == stock
+    c = op.counters()
+    assert c["self_check_failed"] == {"stats": 1}
+    assert c["native_stats_steps"] == 0 and c["fast_steps"] > 0
+    assert len(_warned(caplog, "decode-step statistics")) == 1

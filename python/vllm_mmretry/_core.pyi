@@ -23,6 +23,8 @@ class OutputCore:
     # Write-only: the vocabulary requests added afterwards detokenize with (None: Python).
     native_vocab: NativeVocab | None
     has_native_vocab: bool
+    # Native decode-step statistics may run (set after the adapter's check_native_stats).
+    native_stats: bool
     def __new__(cls, spec: CoreSpec) -> OutputCore:
         """`spec`: built by the adapter of the running vLLM (read by field name)."""
     def add(
@@ -50,6 +52,10 @@ class OutputCore:
     def __len__(self) -> int: ...
     def is_streaming(self, request_id: str) -> bool: ...
     def is_fast(self, request_id: str) -> bool: ...
+    def native_decode_stats(
+        self, eco: Any, ts: Any, req_stats: Any, iteration_stats: Any
+    ) -> bool:
+        """The native statistics of one plain decode output on the given objects."""
     def is_native(self, request_id: str) -> bool: ...
     def state(self, request_id: str) -> Any: ...
     def states(self) -> dict[str, Any]: ...

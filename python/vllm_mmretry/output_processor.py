@@ -129,10 +129,6 @@ class OutputProcessor:
         # Built now, after every plugin has loaded: what vLLM's constructors build
         # is what the native path must build.
         self._check = run_self_check(tokenizer, vocab)
-        self._self_check_failed = self._check.failures()
-        for part, why in self._self_check_failed.items():
-            _log().warning("vllm-mmretry: native %s turned off for this output processor, "
-                           "vLLM's own code runs instead: %s", _PART_NAMES[part], why)
         if self._check.detok is not None:
             vocab, self._detok_reason = None, "self_check"
         # Requests that need vLLM's own per-request code are owned by an embedded
@@ -142,6 +138,14 @@ class OutputProcessor:
         self._spec = _vllm.core_spec(self.lora_states, self._check, self._stock)
         self._core = _core.OutputCore(self._spec)
         self._core.native_vocab = vocab
+        # The native decode-step statistics are compared with vLLM's on this core.
+        if self._check.stats is None:
+            self._check.stats = _vllm.check_native_stats(self._core.native_decode_stats)
+        self._core.native_stats = self._check.stats is None
+        self._self_check_failed = self._check.failures()
+        for part, why in self._self_check_failed.items():
+            _log().warning("vllm-mmretry: native %s turned off for this output processor, "
+                           "vLLM's own code runs instead: %s", _PART_NAMES[part], why)
         # Kinds of request objects ("state", "parent", "queue") whose attributes
         # passed `check_request_objects`; a failure sends every request to vLLM.
         self._objects_checked: set[str] = set()
@@ -244,6 +248,8 @@ class OutputProcessor:
         once per kind of object, on the first request that has one)."""
         if "objects" in self._self_check_failed:
             return False
+        if len(self._objects_checked) == len(_OBJECT_KINDS):
+            return True
         new = {kind for kind, obj in (("state", state), ("parent", parent), ("queue", queue))
                if obj is not None and kind not in self._objects_checked}
         if not new:
@@ -275,10 +281,12 @@ class OutputProcessor:
         return _vllm.processor_output(request_outputs, reqs_to_abort)
 
 
+_OBJECT_KINDS = ("state", "parent", "queue")
 _PART_NAMES = {
     "outputs": "output building (RequestOutput/CompletionOutput)",
     "eco_offsets": "EngineCoreOutput slot reads",
     "detok": "detokenizer",
+    "stats": "decode-step statistics",
     "objects": "output loop (vLLM's request objects differ)",
 }
 

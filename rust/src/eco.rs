@@ -54,6 +54,8 @@ eco_fields! {
     NewSamplingMask => new_sampling_mask,
     SpecDecodeMetrics => spec_decode_metrics,
     PromptTokenIdLogprobs => prompt_token_id_logprobs,
+    Events => events,
+    NumNansInLogits => num_nans_in_logits,
 }
 
 type Offsets = [isize; COUNT];

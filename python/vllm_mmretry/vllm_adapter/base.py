@@ -37,6 +37,8 @@ class EcoFields:
     new_sampling_mask: str
     spec_decode_metrics: str
     prompt_token_id_logprobs: str
+    events: str
+    num_nans_in_logits: str
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,12 @@ class ObjectFields:
     # LoRARequestStates, IterationStats
     request_finished: str
     update_from_output: str
+    # RequestStateStats, IterationStats: what a native decode step writes
+    # (`check_native_stats` compares it with vLLM's update_from_output)
+    stats_num_generation_tokens: str
+    stats_last_token_ts: str
+    iteration_num_generation_tokens: str
+    iteration_inter_token_latencies: str
     # the renderer and P0's multimodal processor cache
     mm_processor_cache: str
     invalidate: str
@@ -185,6 +193,7 @@ class SelfCheck:
     outputs: str | None = None  # native RequestOutput / CompletionOutput building
     eco_offsets: str | None = None  # EngineCoreOutput slot reads
     detok: str | None = None  # native detokenizer on this tokenizer
+    stats: str | None = None  # native decode-step statistics (checked on the core)
     # `vars()` of reference outputs built by vLLM's constructors (templates' base).
     ro_base: dict[str, Any] = field(default_factory=dict)
     co_base: dict[str, Any] = field(default_factory=dict)
@@ -192,7 +201,8 @@ class SelfCheck:
     def failures(self) -> dict[str, str]:
         return {part: why for part, why in (("outputs", self.outputs),
                                             ("eco_offsets", self.eco_offsets),
-                                            ("detok", self.detok)) if why is not None}
+                                            ("detok", self.detok),
+                                            ("stats", self.stats)) if why is not None}
 
 
 # ------------------------------------------------------------ serving seams
@@ -231,7 +241,7 @@ class VllmAdapter(abc.ABC):
 
     Output processor (output_processor.py): `core_spec`, `self_check`,
     `new_request_state`, `fallback_reason`, `fast_spec`, `request_identity`,
-    `native_vocab`, `new_stock_side`, `stock_state`, `update_stock_streaming_request`,
+    `native_vocab`, `new_stock_side`, `check_native_stats`, `update_stock_streaming_request`,
     `processor_output`,
     `new_lora_states`, `update_scheduler_stats`, `is_engine_core_request`,
     `is_parent_request`, `output_processor_patches`, `process_outputs`,
@@ -282,7 +292,9 @@ class VllmAdapter(abc.ABC):
         """What the core needs on one request's vLLM objects and they lack, or None."""
 
     @abc.abstractmethod
-    def stock_state(self, stock: Any, request_id: str) -> Any: ...
+    def check_native_stats(self, native_step: Callable[..., bool]) -> str | None:
+        """Where the core's native decode-step statistics (`native_step(eco, ts,
+        req_stats, iteration_stats)`) differ from vLLM's, or None."""
 
     @abc.abstractmethod
     def update_stock_streaming_request(self, stock: Any, request: Any, prompt: str | None) -> bool: ...

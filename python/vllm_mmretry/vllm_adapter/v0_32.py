@@ -34,7 +34,7 @@ from vllm.v1.engine.output_processor import (
     RequestState,
 )
 from vllm.v1.engine.parallel_sampling import ParentRequest
-from vllm.v1.metrics.stats import IterationStats, LoRARequestStates
+from vllm.v1.metrics.stats import IterationStats, LoRARequestStates, RequestStateStats
 
 from vllm_mmretry import _core
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
@@ -80,6 +80,7 @@ ECO_FIELDS = EcoFields(
     mm_cache_miss_hashes="mm_cache_miss_hashes", new_sampling_mask="new_sampling_mask",
     spec_decode_metrics="spec_decode_metrics",
     prompt_token_id_logprobs="prompt_token_id_logprobs",
+    events="events", num_nans_in_logits="num_nans_in_logits",
 )
 OUTPUT_FIELDS = OutputFields(
     outputs="outputs", finished="finished", kv_transfer_params="kv_transfer_params",
@@ -101,7 +102,9 @@ OBJECT_FIELDS = ObjectFields(
     collector_put="put", collector_output="output", collector_ready="ready",
     collector_aggregate="aggregate", output_add="add", request_finished="request_finished",
     update_from_output="update_from_output", mm_processor_cache="mm_processor_cache",
-    invalidate="invalidate",
+    invalidate="invalidate", stats_num_generation_tokens="num_generation_tokens",
+    stats_last_token_ts="last_token_ts", iteration_num_generation_tokens="num_generation_tokens",
+    iteration_inter_token_latencies="inter_token_latencies_iter",
 )
 # Where each ObjectFields name lives: (class, fields of ObjectFields). Instance
 # attributes set in __init__ are checked on a built object (`check_object_fields`).
@@ -502,6 +505,52 @@ def check_request_objects(state: Any, parent: Any, queue: Any,
     return f"vLLM objects lack what the core reads: {missing}" if missing else None
 
 
+# Plain decode outputs for `check_native_stats`: (new tokens, timestamp,
+# last_token_ts, num_generation_tokens before the step).
+_DECODE_CASES: tuple[tuple[list[int], float, float, int], ...] = (
+    ([7, 8], 12.5, 11.25, 3), ([], 20.0, 12.5, 5), ([9], 3.0e9 + 0.1, 2.9e9 + 0.7, 0),
+)
+
+
+def check_native_stats(native_step: Callable[..., bool]) -> str | None:
+    """vLLM's `IterationStats.update_from_output` and the core's native decode
+    step on the same plain decode outputs (past prefill, no events, no NaNs):
+    None when both leave every attribute of both stats objects the same."""
+    for tokens, ts, last, count in _DECODE_CASES:
+        eco = EngineCoreOutput(request_id="self-check", new_token_ids=list(tokens))
+        ref_its, ref_req = _decode_stats_objects(last, count)
+        its, req = _decode_stats_objects(last, count)
+        ref_its.update_from_output(eco, ts, False, ref_req, LoRARequestStates(log_stats=True), None)
+        try:
+            applied = native_step(eco, ts, req, its)
+        except Exception as e:  # noqa: BLE001 - names this vLLM does not have
+            return f"native decode statistics failed: {type(e).__name__}: {e}"
+        if not applied:
+            return "native decode statistics did not take a plain decode output"
+        want, got = _stats_attrs(ref_its, ref_req), _stats_attrs(its, req)
+        if got != want:
+            return ("native decode statistics differ from vLLM's update_from_output in "
+                    f"{sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))}")
+    return None
+
+
+def _decode_stats_objects(last_token_ts: float, count: int) -> tuple[IterationStats, RequestStateStats]:
+    its = IterationStats()
+    its.iteration_timestamp = 100.0
+    req = RequestStateStats(num_generation_tokens=count, arrival_time=1.5, queued_ts=2.5,
+                            scheduled_ts=3.5, first_token_ts=4.5, last_token_ts=last_token_ts,
+                            first_token_latency=0.25)
+    return its, req
+
+
+def _stats_attrs(its: IterationStats, req: RequestStateStats) -> dict[str, str]:
+    """Every attribute of both objects as its repr (so types count too)."""
+    attrs = {f"IterationStats.{k}": repr(v) for k, v in vars(its).items()}
+    attrs.update({f"PromptTokenStats.{k}": repr(v) for k, v in vars(its.prompt_token_stats).items()})
+    attrs.update({f"RequestStateStats.{k}": repr(v) for k, v in vars(req).items()})
+    return attrs
+
+
 def check_finish_reasons() -> str | None:
     for name, code in FINISH_CODES.items():
         member = FinishReason(code) if code in FinishReason._value2member_map_ else None
@@ -675,9 +724,8 @@ class Adapter(VllmAdapter):
     def check_request_objects(self, state: Any, parent: Any, queue: Any) -> str | None:
         return check_request_objects(state, parent, queue)
 
-    def stock_state(self, stock: StockSide, request_id: str) -> Any:
-        """The RequestState the stock processor holds for `request_id`, or None."""
-        return stock.op.request_states.get(request_id)
+    def check_native_stats(self, native_step: Callable[..., bool]) -> str | None:
+        return check_native_stats(native_step)
 
     def update_stock_streaming_request(self, stock: StockSide, request: Any,
                                        prompt: str | None) -> bool:

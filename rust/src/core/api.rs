@@ -1,6 +1,7 @@
 //! The Python-facing API of `OutputCore` (`vllm_mmretry._core.OutputCore`); every
 //! entry point runs under `api()`, so a panic is a RuntimeError, never a PanicException.
 
+use super::stats::{record_plain_decode, DecodeStats};
 use super::*;
 
 #[pymethods]
@@ -64,6 +65,8 @@ impl OutputCore {
                 misses: MissSet::default(),
                 fallbacks: BTreeMap::new(),
                 fast_steps: 0,
+                native_stats: false,
+                native_stats_steps: 0,
                 fallback_steps: 0,
                 invalidations: 0,
                 vocab: None,
@@ -347,12 +350,18 @@ impl OutputCore {
                 }
                 self.invalidate_misses(py)?;
 
+                let decode = if self.native_stats && !its.is_none() {
+                    DecodeStats::for_step(&self.cls.obj, &ts, &its)?
+                } else {
+                    None
+                };
                 let cx = Step {
                     ts: &ts,
                     iteration_stats: &its,
                     weight_version: &wv,
                     outs: &outs,
                     aborts: &aborts,
+                    decode: decode.as_ref(),
                 };
                 self.step_sibling_aborts.clear();
                 self.stock_batch.clear();
@@ -364,6 +373,10 @@ impl OutputCore {
                 })();
                 self.step_sibling_aborts.clear();
                 self.stock_batch.clear();
+                let flushed = match &decode {
+                    Some(d) => d.flush(&self.cls.obj, &its),
+                    None => Ok(()),
+                };
                 // The hashes are consumed: stock AsyncLLM/LLMEngine walk the same outputs
                 // after process_outputs and would invalidate them a second time. Clearing
                 // the field (instead of patching those loops) keeps that code stock.
@@ -371,6 +384,7 @@ impl OutputCore {
                     eco.setattr(self.eco.name(py, F::MmCacheMissHashes), &none)?;
                 }
                 result?;
+                flushed?;
                 Ok((outs, aborts))
             },
         )
@@ -514,6 +528,7 @@ impl OutputCore {
             d.set_item("fast_steps", self.fast_steps)?;
             d.set_item("fallback_steps", self.fallback_steps)?;
             d.set_item("invalidations", self.invalidations)?;
+            d.set_item("native_stats_steps", self.native_stats_steps)?;
             d.set_item("failed_steps", self.failed_steps)?;
             let fb = PyDict::new(py);
             for (k, v) in &self.fallbacks {
@@ -529,6 +544,28 @@ impl OutputCore {
             Ok(d)
         })
     }
+    /// The native statistics of one plain decode output, on the given stats
+    /// objects (the adapter's self-check compares them with vLLM's
+    /// `update_from_output`): whether the native rule applied.
+    fn native_decode_stats<'py>(
+        &self,
+        eco: &Bound<'py, PyAny>,
+        ts: &Bound<'py, PyAny>,
+        req_stats: &Bound<'py, PyAny>,
+        iteration_stats: &Bound<'py, PyAny>,
+    ) -> PyResult<bool> {
+        api("native_decode_stats", || {
+            let Some(d) = DecodeStats::for_step(&self.cls.obj, ts, iteration_stats)? else {
+                return Ok(false);
+            };
+            let ev = self.eco.view(eco);
+            let new_ids = self.eco.get(&ev, F::NewTokenIds)?;
+            let done = record_plain_decode(&d, &self.cls.obj, &self.eco, &ev, req_stats, &new_ids)?;
+            d.flush(&self.cls.obj, iteration_stats)?;
+            Ok(done)
+        })
+    }
+
     fn is_fast(&self, request_id: &str) -> PyResult<bool> {
         api("is_fast", || {
             self.table

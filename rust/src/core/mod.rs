@@ -144,6 +144,8 @@ struct Step<'a, 'py> {
     outs: &'a Bound<'py, PyList>,
     /// Internal ids the engine core must abort.
     aborts: &'a Bound<'py, PyList>,
+    /// Native statistics for plain decode steps (None: vLLM's function for all).
+    decode: Option<&'a stats::DecodeStats<'py>>,
 }
 
 struct Req {
@@ -254,6 +256,10 @@ name_table!(
         update_from_output,
         mm_processor_cache,
         invalidate,
+        stats_num_generation_tokens,
+        stats_last_token_ts,
+        iteration_num_generation_tokens,
+        iteration_inter_token_latencies,
     }
 );
 
@@ -365,6 +371,11 @@ pub struct OutputCore {
     fallbacks: BTreeMap<String, u64>,
     fast_steps: u64,
     fallback_steps: u64,
+    /// Native decode-step statistics may run (the adapter's self-check passed).
+    #[pyo3(get, set)]
+    native_stats: bool,
+    /// Request-steps whose statistics were recorded natively.
+    native_stats_steps: u64,
     invalidations: u64,
     /// The tokenizer, loaded natively once per processor (None: Python detokenizer).
     vocab: Option<Arc<Vocab>>,
@@ -430,4 +441,5 @@ fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
 
 mod api;
 mod build;
+mod stats;
 mod step;

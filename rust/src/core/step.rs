@@ -2,6 +2,7 @@
 //! Python fallback or the multimodal-miss path; request state kept in sync with
 //! vLLM's `RequestState`; finishing and aborting requests.
 
+use super::stats::record_plain_decode;
 use super::*;
 
 impl OutputCore {
@@ -400,6 +401,7 @@ impl OutputCore {
             weight_version,
             outs,
             aborts,
+            ..
         } = *cx;
         let req = self.table.get(slot).unwrap();
         Self::sync_state(&self.cls, py, req)?;
@@ -446,6 +448,7 @@ impl OutputCore {
             weight_version,
             outs,
             aborts,
+            decode,
         } = *cx;
         let mut fr = finish_code(&fr_obj)?;
         self.fast_steps += 1;
@@ -466,8 +469,22 @@ impl OutputCore {
         };
         let req = self.table.get_mut(slot).unwrap();
 
-        // 1) Iteration stats, with vLLM's own update function.
-        if !iteration_stats.is_none() {
+        // 1) Iteration stats: natively for a plain decode step, else with vLLM's
+        // own update function.
+        let native = match decode {
+            Some(d) if !req.progress.is_prefilling => record_plain_decode(
+                d,
+                &self.cls.obj,
+                er,
+                ev,
+                req.progress.stats.bind(py),
+                &new_ids,
+            )?,
+            _ => false,
+        };
+        if native {
+            self.native_stats_steps += 1;
+        } else if !iteration_stats.is_none() {
             iteration_stats.call_method1(
                 self.cls.obj.update_from_output.bind(py),
                 (
