@@ -181,6 +181,7 @@ def main() -> None:
     batches = (64, 1024) if args.quick else (64, 256, 1024, 4096)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
+    print(f"statistics {'on' if BOTH_KW['log_stats'] else 'off'}")
     print(f"{'variant':8s} {'batch':>6s} {'stock_us':>9s} {'ours_us':>9s} {'ratio':>6s}")
     rows = []
     for variant in args.variants.split(","):
@@ -197,6 +198,7 @@ def main() -> None:
             row = {
                 "variant": variant,
                 "batch": b,
+                "log_stats": BOTH_KW["log_stats"],
                 "stock_us": round(stock * 1e6 / b, 3),
                 "ours_us": round(ours * 1e6 / b, 3),
                 "ratio": round(stock / ours, 2),

@@ -54,6 +54,7 @@ REAL_ENGINE = (
 # plugin supports that vLLM, i.e. `vllm_mmretry.register()` patches something.
 PLUGIN_ACTIVE = (
     "tests/test_differential_output_processor.py",
+    "tests/test_differential_stats.py",
     "tests/test_differential_streaming.py",
     "tests/test_output_processor_api.py",
     "tests/test_output_processor_errors.py",

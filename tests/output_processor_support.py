@@ -67,10 +67,10 @@ class Side:
     collectors: dict[str, RequestOutputCollector] = field(default_factory=dict)
     children: dict[str, list[str]] = field(default_factory=dict)
 
-    def add(self, spec: ReqSpec, prompt: str | None = "prompt text") -> list[str]:
+    def add(self, spec: ReqSpec, prompt: str | None = "prompt text", arrival: float = 1000.0) -> list[str]:
         """Register like AsyncLLM.add_request / LLMEngine.add_request; returns
         the internal ids the engine core would run."""
-        req = engine_request(spec)
+        req = engine_request(spec, arrival)
         q = RequestOutputCollector(spec.kind, spec.request_id) if self.async_mode else None
         if q is not None:
             self.collectors[spec.request_id] = q
