@@ -146,7 +146,7 @@ class OutputProcessor:
         for part, why in self._self_check_failed.items():
             _log().warning("vllm-mmretry: native %s turned off for this output processor, "
                            "vLLM's own code runs instead: %s", _PART_NAMES[part], why)
-        # Kinds of request objects ("state", "parent", "queue") whose attributes
+        # Kinds of request objects (`_OBJECT_KINDS`) whose attributes
         # passed `check_request_objects`; a failure sends every request to vLLM.
         self._objects_checked: set[str] = set()
         _metrics.track(self)  # vllm-mmretry metrics hook: publishes counters(), off the step path
@@ -250,7 +250,7 @@ class OutputProcessor:
             return False
         if len(self._objects_checked) == len(_OBJECT_KINDS):
             return True
-        new = {kind for kind, obj in (("state", state), ("parent", parent), ("queue", queue))
+        new = {kind for kind, obj in zip(_OBJECT_KINDS, (state, parent, queue), strict=True)
                if obj is not None and kind not in self._objects_checked}
         if not new:
             return True

@@ -69,10 +69,10 @@ impl<'py> DecodeStats<'py> {
         num_tokens: usize,
     ) -> PyResult<bool> {
         let py = req_stats.py();
-        let Some(last) = float_attr(req_stats, names.stats_last_token_ts.bind(py))? else {
+        let Some(last) = float_attr(req_stats, names.stats_last_token_ts.bind(py)) else {
             return Ok(false);
         };
-        let Some(count) = int_attr(req_stats, names.stats_num_generation_tokens.bind(py))? else {
+        let Some(count) = int_attr(req_stats, names.stats_num_generation_tokens.bind(py)) else {
             return Ok(false);
         };
         let Ok(n) = i64::try_from(num_tokens) else {
@@ -102,21 +102,14 @@ impl<'py> DecodeStats<'py> {
 
 // A missing attribute (no stats object, another vLLM) is None too: vLLM's
 // function then runs and fails, or not, as it does in stock.
-fn float_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<Option<f64>> {
-    let Ok(v) = obj.getattr(name) else {
-        return Ok(None);
-    };
-    Ok(v.cast_exact::<PyFloat>().ok().map(|f| f.value()))
+fn float_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> Option<f64> {
+    let v = obj.getattr(name).ok()?;
+    Some(v.cast_exact::<PyFloat>().ok()?.value())
 }
 
-fn int_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<Option<i64>> {
-    let Ok(v) = obj.getattr(name) else {
-        return Ok(None);
-    };
-    Ok(match v.cast_exact::<PyInt>() {
-        Ok(i) => i.extract::<i64>().ok(),
-        Err(_) => None,
-    })
+fn int_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> Option<i64> {
+    let v = obj.getattr(name).ok()?;
+    v.cast_exact::<PyInt>().ok()?.extract::<i64>().ok()
 }
 
 /// A request's statistics for one output natively, when it is a plain decode
