@@ -59,6 +59,7 @@ PLUGIN_ACTIVE = (
     "tests/test_output_processor_api.py",
     "tests/test_output_processor_errors.py",
     "tests/test_output_processor_native.py",
+    "tests/test_receive.py",
     "tests/test_retry_generate.py",
     "tests/test_retry_pooling.py",
     "tests/test_retry_units.py",

@@ -224,6 +224,19 @@ class RetrySeams:
     error_handler: str = "generation_error_handler"
 
 
+@dataclass(frozen=True)
+class ReceiveSeam:
+    """Where the async engine client reads engine outputs (receive.py).
+
+    `owner.method(client)` starts the client's one output task; before it runs,
+    `output_socket(client)` is the zmq.asyncio socket that task will read with
+    `await socket.recv_multipart(copy=False)` (None when the task already runs)."""
+
+    owner: type[Any]  # AsyncMPClient
+    method: str  # _ensure_output_queue_task
+    output_socket: Callable[[Any], Any]
+
+
 @dataclass
 class PoolingAttempt:
     """One submission of a pooling request, not yet collected."""
@@ -252,6 +265,7 @@ class VllmAdapter(abc.ABC):
     error helpers.
     Fault switch (faults.py): `lru_receiver_cache`, `mm_cache_type_lookup`.
     Doctor (doctor.py): `serve_parser`, `serve_cache_type`, `load_tokenizer`.
+    Engine-output receive (receive.py): `receive_seam`.
     """
 
     version: str = ""
@@ -397,6 +411,11 @@ class VllmAdapter(abc.ABC):
 
     @abc.abstractmethod
     def responses_sse_writer(self) -> tuple[ModuleType, str]: ...
+
+    # --- engine-output receive
+    @abc.abstractmethod
+    def receive_seam(self) -> ReceiveSeam | str:
+        """The seam, or why this vLLM's output task is not the one receive.py knows."""
 
     # --- fault switch
     @abc.abstractmethod

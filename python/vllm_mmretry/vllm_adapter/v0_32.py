@@ -50,6 +50,7 @@ from vllm_mmretry.vllm_adapter.base import (
     OutputFields,
     PoolingAttempt,
     PoolingResults,
+    ReceiveSeam,
     RetrySeams,
     SelfCheck,
     VllmAdapter,
@@ -551,6 +552,38 @@ def _stats_attrs(its: IterationStats, req: RequestStateStats) -> dict[str, str]:
     return attrs
 
 
+# What AsyncMPClient._ensure_output_queue_task is known to do: read
+# `resources.output_socket` and start the nested `process_outputs_socket`, which
+# awaits `output_socket.recv_multipart(...)` in its loop.
+_OUTPUT_TASK = "process_outputs_socket"
+_OUTPUT_TASK_OUTER_NAMES = frozenset({"resources", "output_socket", "output_queue_task"})
+
+
+def _check_output_task(start: Callable[..., Any]) -> str | None:
+    """Why `start` is not the output-task starter receive.py was written against."""
+    code = getattr(start, "__code__", None)
+    if code is None:
+        return f"{start!r} is not a Python function"
+    missing = _OUTPUT_TASK_OUTER_NAMES - set(code.co_names) - set(code.co_varnames)
+    if missing:
+        return f"{code.co_name} no longer uses {sorted(missing)}"
+    tasks = [c for c in code.co_consts if getattr(c, "co_name", None) == _OUTPUT_TASK]
+    if len(tasks) != 1:
+        return f"{code.co_name} has no single nested {_OUTPUT_TASK}"
+    task = tasks[0]
+    if "output_socket" not in task.co_freevars or "recv_multipart" not in task.co_names:
+        return f"{_OUTPUT_TASK} no longer reads output_socket.recv_multipart"
+    return None
+
+
+def _unstarted_output_socket(client: Any) -> Any:
+    """The socket the client's output task will read, while that task is not started."""
+    resources = getattr(client, "resources", None)
+    if resources is None or resources.output_queue_task is not None:
+        return None
+    return resources.output_socket
+
+
 def check_finish_reasons() -> str | None:
     for name, code in FINISH_CODES.items():
         member = FinishReason(code) if code in FinishReason._value2member_map_ else None
@@ -775,6 +808,15 @@ class Adapter(VllmAdapter):
 
     def miss_error(self, hashes: list[str]) -> Any:
         return miss_error(hashes)
+
+    # --- engine-output receive ----------------------------------------------
+    def receive_seam(self) -> ReceiveSeam | str:
+        from vllm.v1.engine.core_client import AsyncMPClient
+
+        why = _check_output_task(AsyncMPClient._ensure_output_queue_task)
+        if why is not None:
+            return why
+        return ReceiveSeam(AsyncMPClient, "_ensure_output_queue_task", _unstarted_output_socket)
 
     # --- fault switch -------------------------------------------------------
     def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]:

@@ -1,0 +1,289 @@
+"""Ready-first receive (receive.py) against vLLM's own output task.
+
+vLLM's `AsyncMPClient._ensure_output_queue_task` runs unchanged on a real zmq PULL
+socket; a real PUSH socket sends what an engine core sends (vLLM's `MsgpackEncoder`
+of `EngineCoreOutputs`: outputs, scheduler stats, utility replies and failures, and
+the engine-dead frame). Stock and ready-first must leave the same things, in the same
+order, in the client's output queue and utility futures, on hypothesis-generated
+message streams sent in bursts (messages waiting) and one by one (the task waiting)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
+from vllm.v1.engine.core_client import AsyncMPClient, BackgroundResources
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
+
+from vllm_mmretry import _patching, receive
+from vllm_mmretry.vllm_adapter import adapter
+from vllm_mmretry.vllm_adapter.base import ReceiveSeam
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+_addresses = itertools.count()
+
+
+def vllm_start() -> Any:
+    """vLLM's own output-task starter, whether or not the plugin patched it."""
+    return _patching.original(AsyncMPClient, "_ensure_output_queue_task")
+
+
+class Wire:
+    """A client as vLLM's output task sees it, on a real socket pair."""
+
+    def __init__(self, ready_first: bool) -> None:
+        self.ctx = zmq.asyncio.Context()
+        address = f"inproc://receive-{next(_addresses)}"
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(address)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(address)
+        self.waits = 0
+        self._count_waits()
+        if ready_first:
+            receive.make_ready_first(self.pull)
+        client = object.__new__(AsyncMPClient)
+        client.resources = BackgroundResources(ctx=self.ctx)
+        client.resources.output_socket = self.pull
+        client.decoder = MsgpackDecoder(EngineCoreOutputs)
+        client.utility_results = {}
+        client.outputs_queue = asyncio.Queue()
+        self.client = client
+        self.encoder = MsgpackEncoder()
+
+    def _count_waits(self) -> None:
+        # pyzmq's Future-based receive, counted per call (instrumentation only).
+        add = self.pull._add_recv_event
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.waits += 1
+            return add(*args, **kwargs)
+
+        self.pull._add_recv_event = counted
+
+    def start(self, start: Any) -> None:
+        start(self.client)
+
+    async def send(self, message: EngineCoreOutputs | bytes) -> None:
+        frames = [message] if isinstance(message, bytes) else list(self.encoder.encode(message))
+        await self.push.send_multipart(frames, copy=False)
+
+    def expect_utility(self, call_id: int) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.client.utility_results[call_id] = future
+        return future
+
+    def close(self) -> None:
+        task = self.client.resources.output_queue_task
+        if task is not None:
+            task.cancel()
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def as_tuple(item: Any) -> Any:
+    """A queue item in comparable form (msgspec structs field by field)."""
+    if isinstance(item, BaseException):
+        return ("raised", type(item).__name__)
+    return msgspec.to_builtins(item, builtin_types=(bytes,), str_keys=True)
+
+
+output_st = st.builds(
+    EngineCoreOutput,
+    request_id=st.text("abc-0123", min_size=1, max_size=6),
+    new_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=4),
+    finish_reason=st.none() | st.sampled_from(list(FinishReason)),
+    stop_reason=st.none() | st.integers(0, 5) | st.text(max_size=3),
+    num_nans_in_logits=st.integers(0, 3),
+    mm_cache_miss_hashes=st.none() | st.lists(st.text("0123456789abcdef", min_size=1, max_size=8), max_size=2),
+)
+stats_st = st.none() | st.builds(SchedulerStats, num_running_reqs=st.integers(0, 9),
+                                 num_waiting_reqs=st.integers(0, 9))
+outputs_st = st.builds(
+    EngineCoreOutputs,
+    engine_index=st.integers(0, 3),
+    outputs=st.lists(output_st, max_size=5),
+    scheduler_stats=stats_st,
+    timestamp=st.floats(0, 1e9, allow_nan=False),
+    finished_requests=st.none() | st.sets(st.text("xyz", min_size=1, max_size=3), max_size=2),
+)
+# A message: engine outputs, or a utility reply (its result, or a failure).
+message_st = st.one_of(
+    outputs_st,
+    st.tuples(st.just("utility"), st.integers(-5, 5) | st.text(max_size=4)),
+    st.tuples(st.just("failure"), st.text(min_size=1, max_size=8)),
+)
+# Bursts: each inner list is sent at once, then the sender yields until the task
+# has drained the socket (so the task meets both waiting messages and none).
+stream_st = st.lists(st.lists(message_st, min_size=1, max_size=6), min_size=1, max_size=5)
+
+
+async def run_stream(ready_first: bool, bursts: list[list[Any]], dead: bool) -> dict[str, Any]:
+    wire = Wire(ready_first)
+    try:
+        wire.start(vllm_start())
+        utilities: list[asyncio.Future[Any]] = []
+        call_ids = itertools.count(1)
+        for burst in bursts:
+            for message in burst:
+                if isinstance(message, tuple):
+                    call_id = next(call_ids)
+                    utilities.append(wire.expect_utility(call_id))
+                    kind, value = message
+                    await wire.send(EngineCoreOutputs(utility_output=UtilityOutput(
+                        call_id,
+                        failure_message=value if kind == "failure" else None,
+                        result=UtilityResult(value) if kind == "utility" else None)))
+                else:
+                    await wire.send(message)
+            await drained(wire)
+        if dead:
+            await wire.send(ENGINE_CORE_DEAD)
+        else:
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("end", [0])], timestamp=1.0))
+        queued = []
+        while True:
+            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            queued.append(as_tuple(item))
+            if isinstance(item, BaseException) or (item.outputs[-1:] and item.outputs[-1].request_id == "end"):
+                break
+        results = [("raised", str(f.exception())) if f.exception() else ("result", f.result())
+                   for f in utilities]
+        return {"queued": queued, "utilities": results, "waits": wire.waits,
+                "engine_dead": wire.client.resources.engine_dead}
+    finally:
+        wire.close()
+
+
+async def drained(wire: Wire) -> None:
+    for _ in range(200):
+        if not wire.pull.get(zmq.EVENTS) & zmq.POLLIN:
+            break
+        await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_the_adapter_knows_this_vllm_output_task() -> None:
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam), seam
+    assert getattr(seam.owner, seam.method) is not None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bursts=stream_st, dead=st.booleans())
+def test_ready_first_queues_what_stock_queues(bursts: list[list[Any]], dead: bool) -> None:
+    stock = asyncio.run(run_stream(False, bursts, dead))
+    ours = asyncio.run(run_stream(True, bursts, dead))
+    assert {k: v for k, v in ours.items() if k != "waits"} == \
+        {k: v for k, v in stock.items() if k != "waits"}
+    assert stock["engine_dead"] is dead
+    if dead:
+        assert stock["queued"][-1] == ("raised", "EngineDeadError")
+
+
+def test_waiting_messages_are_taken_without_pyzmq_futures() -> None:
+    """A burst of 30 waiting messages: stock makes one Future per message, ours none
+    for the waiting ones (so this fails if the fast path is never taken)."""
+    burst = [EngineCoreOutputs(outputs=[EngineCoreOutput(f"r{i}", [i])], timestamp=float(i)) for i in range(30)]
+    stock = asyncio.run(run_stream(False, [burst], dead=False))
+    ours = asyncio.run(run_stream(True, [burst], dead=False))
+    assert ours["queued"] == stock["queued"] and len(stock["queued"]) == 31
+    assert stock["waits"] >= 31
+    assert ours["waits"] <= 3
+
+
+def test_the_installed_starter_makes_the_socket_ready_first() -> None:
+    """The patched `_ensure_output_queue_task` (as install() builds it) wraps the
+    socket once, before the task starts, and never a started client's socket."""
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam)
+    start = receive._starting_ready_first(vllm_start(), seam.output_socket)
+
+    async def go() -> tuple[bool, bool, Any]:
+        wire = Wire(ready_first=False)
+        try:
+            assert not receive.is_ready_first(wire.pull)
+            start(wire.client)
+            first = receive.is_ready_first(wire.pull)
+            recv = wire.pull.recv_multipart
+            start(wire.client)  # vLLM calls it before every get; nothing changes
+            again = wire.pull.recv_multipart is recv
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            return first, again, item.outputs[0].request_id
+        finally:
+            wire.close()
+
+    assert asyncio.run(go()) == (True, True, "a")
+
+
+def test_a_started_task_is_left_alone() -> None:
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam)
+
+    async def go() -> bool:
+        wire = Wire(ready_first=False)
+        try:
+            vllm_start()(wire.client)
+            receive._starting_ready_first(vllm_start(), seam.output_socket)(wire.client)
+            return receive.is_ready_first(wire.pull)
+        finally:
+            wire.close()
+
+    assert asyncio.run(go()) is False
+
+
+def test_a_closed_socket_raises_as_pyzmq_does() -> None:
+    async def go(ready_first: bool) -> str:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(f"inproc://closed-{next(_addresses)}")
+        if ready_first:
+            receive.make_ready_first(sock)
+        sock.close(linger=0)
+        try:
+            await sock.recv_multipart(copy=False)
+        except zmq.ZMQError as e:
+            return f"{type(e).__name__}: {e.errno}"
+        finally:
+            ctx.term()
+        return "no error"
+
+    assert asyncio.run(go(True)) == asyncio.run(go(False)) != "no error"
+
+
+def _starts_nothing(self: Any) -> None:
+    return None
+
+
+def _reads_with_recv(self: Any) -> None:
+    resources = self.resources
+    output_socket = resources.output_socket
+    if resources.output_queue_task is None:
+        async def process_outputs_socket() -> None:
+            await output_socket.recv(copy=False)
+
+        resources.output_queue_task = process_outputs_socket
+
+
+@pytest.mark.parametrize("start, why", [
+    (_starts_nothing, "no longer uses"),
+    (_reads_with_recv, "no longer reads output_socket.recv_multipart"),
+    (len, "is not a Python function"),
+])
+def test_an_unknown_output_task_is_refused(start: Any, why: str) -> None:
+    from vllm_mmretry.vllm_adapter import v0_32
+
+    reason = v0_32._check_output_task(start)
+    assert reason is not None and why in reason
