@@ -90,6 +90,17 @@ def client(server: servers.Server) -> httpx.Client:
     return httpx.Client(base_url=server.base_url, timeout=120)
 
 
+def metric_families(server: servers.Server) -> list[Any]:
+    """The server's `/metrics`, parsed by prometheus_client. A fresh connection per
+    scrape: with several API servers, any may answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    return list(text_string_to_metric_families(r.text))
+
+
 def sse_events(response: httpx.Response) -> list[Any]:
     """The `data:` payloads of a server-sent-event stream, JSON-decoded ([DONE] kept
     as the string)."""

@@ -20,8 +20,16 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from e2e_helpers import RETRY_LINE, chat_body, client, image_url, mark, servers, start_server
-from prometheus_client.parser import text_string_to_metric_families
+from e2e_helpers import (
+    RETRY_LINE,
+    chat_body,
+    client,
+    image_url,
+    mark,
+    metric_families,
+    servers,
+    start_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -31,12 +39,8 @@ CHAT = "/v1/chat/completions"
 
 
 def scrape(server: servers.Server) -> Samples:
-    # A fresh connection per scrape: with several API servers, any may answer.
-    with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        r = http.get("/metrics")
-    assert r.status_code == 200, r.text
     return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+            for family in metric_families(server) for s in family.samples}
 
 
 def retries(outcome: str, endpoint: str = CHAT) -> tuple[str, frozenset[tuple[str, str]]]:

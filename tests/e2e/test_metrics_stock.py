@@ -15,10 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from e2e_helpers import client, servers, sse_events, start_server
-from prometheus_client.parser import text_string_to_metric_families
+from e2e_helpers import client, metric_families, servers, sse_events, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -45,11 +43,8 @@ def plugin(model: str) -> Iterator[servers.Server]:
 
 
 def scrape(server: servers.Server) -> Samples:
-    with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        r = http.get("/metrics")
-    assert r.status_code == 200, r.text
     return {(s.name, frozenset(s.labels.items())): (family.type, s.value)
-            for family in text_string_to_metric_families(r.text) if family.name.startswith("vllm:")
+            for family in metric_families(server) if family.name.startswith("vllm:")
             for s in family.samples}
 
 
