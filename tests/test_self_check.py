@@ -33,10 +33,12 @@ SPECS = [
 
 
 def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = True,
-         log_stats: bool = False) -> tuple[Any, list[Any], list[Any]]:
+         log_stats: bool = False, drain_every: int = 1) -> tuple[Any, list[Any], list[Any]]:
     """The same requests and engine outputs through stock vLLM and ours:
     (our processor, stock's outputs, ours), every output normalised in full
-    (with `log_stats`, each step's IterationStats too)."""
+    (with `log_stats`, each step's IterationStats too). The collectors are
+    drained every `drain_every` steps and at the end (a consumer that is behind
+    leaves outputs to merge)."""
     stock, ours = (
         Side(StockOP(tokenizer, log_stats=log_stats), async_mode),
         Side(OurOP(tokenizer, log_stats=log_stats), async_mode),
@@ -59,7 +61,8 @@ def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = Tr
             ]
             its = new_iteration_stats() if log_stats else None
             outs, aborts = side.step(ecos, ts=2000.0 + 0.37 * step, stats=its)
-            got.append(([norm(o) for o in outs], sorted(aborts), {k: norm(v) for k, v in side.drain().items()},
+            drained = side.drain() if last or (step // 2) % drain_every == 0 else {}
+            got.append(([norm(o) for o in outs], sorted(aborts), {k: norm(v) for k, v in drained.items()},
                         norm_iteration_stats(its)))
     assert not ours.op.has_unfinished_requests()
     return ours.op, got_stock, got_ours
@@ -146,16 +149,17 @@ def test_engine_core_output_field_change_reads_by_name(
     assert _warned(caplog, "new_point_release_field")
 
 
-@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok", "objects", "stats"])
+@pytest.mark.parametrize("part", ["outputs", "eco_offsets", "detok", "objects", "stats", "merge"])
 def test_forced_self_check_failure(
     tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, part: str
 ) -> None:
     monkeypatch.setenv(FORCE_SELF_CHECK_FAIL_ENV, part)
-    op, stock, ours = _run(tiny_tokenizer, log_stats=True)
+    op, stock, ours = _run(tiny_tokenizer, log_stats=True, drain_every=3)
     assert ours == stock
     c = op.counters()
     assert c["self_check_failed"] == {part: 1}
     assert (c["native_stats_steps"] > 0) == (part not in ("stats", "outputs", "objects"))
+    assert (c["native_merges"] > 0) == (part not in ("merge", "outputs", "objects"))
     assert len(_warned(caplog, f"forced by {FORCE_SELF_CHECK_FAIL_ENV}")) == 1
     assert op._core.fast_field_reads == (part != "eco_offsets")
     if part in ("outputs", "objects"):
@@ -220,3 +224,45 @@ def test_stats_name_mismatch_steps_aside(
     assert c["self_check_failed"] == {"stats": 1}
     assert c["native_stats_steps"] == 0 and c["fast_steps"] > 0
     assert len(_warned(caplog, "decode-step statistics")) == 1
+
+
+@pytest.mark.parametrize("async_mode", [True, False])
+def test_native_merges_equal_stock(tiny_tokenizer: Any, async_mode: bool) -> None:
+    """A consumer that takes outputs every third step: DELTA outputs of n = 1
+    requests are merged natively into the one the collector holds (LLMEngine mode
+    has no collectors), and every collected output equals stock's merged one."""
+    op, stock, ours = _run(tiny_tokenizer, async_mode=async_mode, drain_every=3)
+    assert ours == stock
+    c = op.counters()
+    assert c["self_check_failed"] == {}
+    assert (c["native_merges"] > 0) == async_mode
+
+
+def _moved(field: str, src: str, dst: str) -> dict[str, tuple[str, ...]]:
+    rules = v0_32.MERGE_FIELDS
+    return {src: tuple(f for f in getattr(rules, src) if f != field),
+            dst: (*getattr(rules, dst), field)}
+
+
+# Merge rules another vLLM's add could have (a field merged another way, a field no
+# longer merged, a renamed index): the start-up comparison with vLLM's add catches each.
+@pytest.mark.parametrize("change", [
+    _moved("stop_reason", "replaced", "kept_unless_none"),
+    _moved("spec_decode_metrics", "kept_unless_none", "replaced"),
+    _moved("kv_transfer_params", "ro_replaced", "ro_kept_unless_none"),
+    {"replaced": tuple(f for f in v0_32.MERGE_FIELDS.replaced if f != "weight_versions")},
+    {"concatenated": ("token_ids",), "extended": ("text",)},
+    {"index": "index_v2"},
+], ids=["stop_reason", "spec_decode_metrics", "kv_transfer_params", "weight_versions",
+        "text_and_ids_swapped", "index"])
+def test_merge_rule_mismatch_steps_aside(
+    tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    change: dict[str, Any],
+) -> None:
+    monkeypatch.setattr(v0_32, "MERGE_FIELDS", dataclasses.replace(v0_32.MERGE_FIELDS, **change))
+    op, stock, ours = _run(tiny_tokenizer, drain_every=3)
+    assert ours == stock
+    c = op.counters()
+    assert c["self_check_failed"] == {"merge": 1}
+    assert c["native_merges"] == 0 and c["fast_steps"] > 0
+    assert len(_warned(caplog, "collector merges")) == 1

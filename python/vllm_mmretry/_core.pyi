@@ -25,6 +25,8 @@ class OutputCore:
     has_native_vocab: bool
     # Native decode-step statistics may run (set after the adapter's check_native_stats).
     native_stats: bool
+    # Native collector merges may run (set after the adapter's check_native_merge).
+    native_merge: bool
     def __new__(cls, spec: CoreSpec) -> OutputCore:
         """`spec`: built by the adapter of the running vLLM (read by field name)."""
     def add(
@@ -56,6 +58,9 @@ class OutputCore:
         self, eco: Any, ts: Any, req_stats: Any, iteration_stats: Any
     ) -> bool:
         """The native statistics of one plain decode output on the given objects."""
+    def native_merge_outputs(self, cur: Any, next: Any) -> bool:
+        """The native merge of `next` into `cur` (one completion each), as the loop
+        does it: whether it applied (False: left to vLLM's add, nothing written)."""
     def is_native(self, request_id: str) -> bool: ...
     def state(self, request_id: str) -> Any: ...
     def states(self) -> dict[str, Any]: ...

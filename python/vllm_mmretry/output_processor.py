@@ -142,6 +142,10 @@ class OutputProcessor:
         if self._check.stats is None:
             self._check.stats = _vllm.check_native_stats(self._core.native_decode_stats)
         self._core.native_stats = self._check.stats is None
+        # So is the native collector merge with vLLM's RequestOutput.add.
+        if self._check.merge is None:
+            self._check.merge = _vllm.check_native_merge(self._core.native_merge_outputs)
+        self._core.native_merge = self._check.merge is None
         self._self_check_failed = self._check.failures()
         for part, why in self._self_check_failed.items():
             _log().warning("vllm-mmretry: native %s turned off for this output processor, "
@@ -287,6 +291,7 @@ _PART_NAMES = {
     "eco_offsets": "EngineCoreOutput slot reads",
     "detok": "detokenizer",
     "stats": "decode-step statistics",
+    "merge": "collector merges (RequestOutput.add)",
     "objects": "output loop (vLLM's request objects differ)",
 }
 

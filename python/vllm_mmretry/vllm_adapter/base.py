@@ -109,6 +109,23 @@ class ObjectFields:
 
 
 @dataclass(frozen=True)
+class MergeFields:
+    """How vLLM's `RequestOutput.add(next, aggregate=True)` merges the one
+    completion of the same index, as the core's native collector merge does it
+    (`rust/src/core/merge.rs`; `check_native_merge` compares it with vLLM's add)."""
+
+    index: str  # CompletionOutput: must be equal
+    concatenated: tuple[str, ...]  # completion.f += next.f
+    extended: tuple[str, ...]  # completion.f.extend(next.f)
+    refused: tuple[str, ...]  # next.f not None: left to vLLM's add
+    kept_unless_none: tuple[str, ...]  # if next.f is not None: completion.f = next.f
+    replaced: tuple[str, ...]  # completion.f = next.f
+    ro_or: tuple[str, ...]  # RequestOutput: self.f |= next.f
+    ro_replaced: tuple[str, ...]  # RequestOutput: self.f = next.f
+    ro_kept_unless_none: tuple[str, ...]  # RequestOutput: kept unless next.f is None
+
+
+@dataclass(frozen=True)
 class CoreHelpers:
     """vLLM-version Python code the core calls for rare per-request paths. The
     `stock_*`, `hand_over` and `take_back` helpers drive the embedded stock
@@ -143,6 +160,7 @@ class CoreSpec:
     eco_fields: EcoFields
     output_fields: OutputFields
     object_fields: ObjectFields
+    merge_fields: MergeFields
     helpers: CoreHelpers
     lora_states: Any
     # Self-check results: False turns the part off (getattr reads / vLLM's outputs).
@@ -194,6 +212,7 @@ class SelfCheck:
     eco_offsets: str | None = None  # EngineCoreOutput slot reads
     detok: str | None = None  # native detokenizer on this tokenizer
     stats: str | None = None  # native decode-step statistics (checked on the core)
+    merge: str | None = None  # native collector merges (checked on the core)
     # `vars()` of reference outputs built by vLLM's constructors (templates' base).
     ro_base: dict[str, Any] = field(default_factory=dict)
     co_base: dict[str, Any] = field(default_factory=dict)
@@ -202,7 +221,8 @@ class SelfCheck:
         return {part: why for part, why in (("outputs", self.outputs),
                                             ("eco_offsets", self.eco_offsets),
                                             ("detok", self.detok),
-                                            ("stats", self.stats)) if why is not None}
+                                            ("stats", self.stats),
+                                            ("merge", self.merge)) if why is not None}
 
 
 # ------------------------------------------------------------ serving seams
@@ -304,6 +324,11 @@ class VllmAdapter(abc.ABC):
     @abc.abstractmethod
     def check_request_objects(self, state: Any, parent: Any, queue: Any) -> str | None:
         """What the core needs on one request's vLLM objects and they lack, or None."""
+
+    @abc.abstractmethod
+    def check_native_merge(self, native_merge: Callable[..., bool]) -> str | None:
+        """None when the core's merge (`native_merge(cur, next)`) leaves outputs as
+        vLLM's `RequestOutput.add(next, aggregate=True)` does, else what differed."""
 
     @abc.abstractmethod
     def check_native_stats(self, native_step: Callable[..., bool]) -> str | None:

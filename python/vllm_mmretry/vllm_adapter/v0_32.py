@@ -45,6 +45,7 @@ from vllm_mmretry.vllm_adapter.base import (
     CoreSpec,
     EcoFields,
     FastSpec,
+    MergeFields,
     NativeDetokSpec,
     ObjectFields,
     OutputFields,
@@ -106,6 +107,15 @@ OBJECT_FIELDS = ObjectFields(
     invalidate="invalidate", stats_num_generation_tokens="num_generation_tokens",
     stats_last_token_ts="last_token_ts", iteration_num_generation_tokens="num_generation_tokens",
     iteration_inter_token_latencies="inter_token_latencies_iter",
+)
+MERGE_FIELDS = MergeFields(
+    index="index", concatenated=("text",), extended=("token_ids",),
+    refused=("logprobs", "sampling_mask"),
+    kept_unless_none=("spec_decode_metrics", "routed_experts"),
+    replaced=("cumulative_logprob", "weight_versions", "finish_reason", "stop_reason"),
+    ro_or=("finished",), ro_replaced=("kv_transfer_params", "ec_transfer_params"),
+    # Not vLLM's add: ours (`_ro_add`) keeps a terminal error in the merged output.
+    ro_kept_unless_none=("error",),
 )
 # Where each ObjectFields name lives: (class, fields of ObjectFields). Instance
 # attributes set in __init__ are checked on a built object (`check_object_fields`).
@@ -552,6 +562,68 @@ def _stats_attrs(its: IterationStats, req: RequestStateStats) -> dict[str, str]:
     return attrs
 
 
+class _Seen:
+    """A distinct object per field, to see which fields a merge copies."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+# (next is finished, next's other fields set (else None, with cur's set instead)).
+_MERGE_CASES = ((False, True), (True, True), (False, False), (True, False))
+
+
+def _merge_pair(next_finished: bool, next_set: bool,
+                seen: dict[str, _Seen]) -> tuple[RequestOutput, RequestOutput]:
+    """A collector's undelivered output and the next one of the same request, built
+    by vLLM's constructors; every field the merge may not write gets a `_Seen`."""
+    def output(text: str, ids: list[int], finished: bool) -> RequestOutput:
+        co = CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None,
+                              logprobs=None)
+        return RequestOutput(request_id="self-check", prompt="p", prompt_token_ids=[1],
+                             prompt_logprobs=None, outputs=[co], finished=finished)
+
+    cur, nxt = output("ab", [1, 2], False), output("cd", [3], next_finished)
+    fixed_co = {MERGE_FIELDS.index, *MERGE_FIELDS.concatenated, *MERGE_FIELDS.extended,
+                *MERGE_FIELDS.refused}
+    fixed_ro = {"outputs", *MERGE_FIELDS.ro_or}
+    marked = (nxt, nxt.outputs[0]) if next_set else (cur, cur.outputs[0])
+    for obj, fixed, kind in ((marked[0], fixed_ro, "ro"), (marked[1], fixed_co, "co")):
+        for k in vars(obj):
+            if k not in fixed:
+                setattr(obj, k, seen.setdefault(f"{kind}.{k}", _Seen(f"{kind}.{k}")))
+    return cur, nxt
+
+
+def check_native_merge(native_merge: Callable[..., bool]) -> str | None:
+    """vLLM's `RequestOutput.add(next, aggregate=True)` (as patched) and the core's
+    merge on the same pairs of outputs: None when both leave the same fields."""
+    for next_finished, next_set in _MERGE_CASES:
+        seen: dict[str, _Seen] = {}
+        ref, ref_next = _merge_pair(next_finished, next_set, seen)
+        cur, nxt = _merge_pair(next_finished, next_set, seen)
+        ref.add(ref_next, aggregate=True)
+        try:
+            if not native_merge(cur, nxt):
+                return "the native merge did not take a plain delta output"
+        except Exception as e:  # noqa: BLE001 - names this vLLM does not have
+            return f"the native merge failed: {type(e).__name__}: {e}"
+        for what, a, b in (("RequestOutput", ref, cur), ("CompletionOutput", ref.outputs[0], cur.outputs[0])):
+            want, got = vars(a), vars(b)
+            diff = sorted(k for k in want.keys() | got.keys()
+                          if k != "outputs" and not _same(want.get(k), got.get(k)))
+            if diff or len(ref.outputs) != len(cur.outputs):
+                return f"the native merge differs from vLLM's RequestOutput.add in {what} {diff}"
+    refused = _merge_pair(False, True, {})
+    setattr(refused[1].outputs[0], MERGE_FIELDS.refused[0], [])
+    if native_merge(*refused):
+        return f"the native merge took an output with {MERGE_FIELDS.refused[0]}"
+    return None
+
+
 # What AsyncMPClient._ensure_output_queue_task is known to do: read
 # `resources.output_socket` and start the nested `process_outputs_socket`, which
 # awaits `output_socket.recv_multipart(...)` in its loop.
@@ -656,6 +728,7 @@ class Adapter(VllmAdapter):
             eco_fields=ECO_FIELDS,
             output_fields=OUTPUT_FIELDS,
             object_fields=OBJECT_FIELDS,
+            merge_fields=MERGE_FIELDS,
             helpers=self.core_helpers(stock),
             lora_states=lora_states,
             eco_offsets=check.eco_offsets is None,
@@ -759,6 +832,9 @@ class Adapter(VllmAdapter):
 
     def check_native_stats(self, native_step: Callable[..., bool]) -> str | None:
         return check_native_stats(native_step)
+
+    def check_native_merge(self, native_merge: Callable[..., bool]) -> str | None:
+        return check_native_merge(native_merge)
 
     def update_stock_streaming_request(self, stock: StockSide, request: Any,
                                        prompt: str | None) -> bool:

@@ -49,6 +49,8 @@ impl OutputCore {
                     finish,
                     fields: OutFields::new(py, &spec.output_fields),
                     obj: ObjFields::new(py, &spec.object_fields),
+                    merge: MergeRules::new(py, &spec.merge_fields),
+                    merge_on: false,
                 },
                 helpers: Helpers {
                     stock_step: callable("stock_step", h.stock_step)?,
@@ -67,6 +69,7 @@ impl OutputCore {
                 fast_steps: 0,
                 native_stats: false,
                 native_stats_steps: 0,
+                native_merges: 0,
                 fallback_steps: 0,
                 invalidations: 0,
                 vocab: None,
@@ -529,6 +532,7 @@ impl OutputCore {
             d.set_item("fallback_steps", self.fallback_steps)?;
             d.set_item("invalidations", self.invalidations)?;
             d.set_item("native_stats_steps", self.native_stats_steps)?;
+            d.set_item("native_merges", self.native_merges)?;
             d.set_item("failed_steps", self.failed_steps)?;
             let fb = PyDict::new(py);
             for (k, v) in &self.fallbacks {
@@ -563,6 +567,49 @@ impl OutputCore {
             let done = record_plain_decode(&d, &self.cls.obj, &self.eco, &ev, req_stats, &new_ids)?;
             d.flush(&self.cls.obj, iteration_stats)?;
             Ok(done)
+        })
+    }
+
+    /// Whether outputs are merged natively into the one a collector still holds
+    /// (set after the adapter's `check_native_merge`).
+    #[getter]
+    fn get_native_merge(&self) -> PyResult<bool> {
+        api("get_native_merge", || Ok(self.cls.merge_on))
+    }
+    #[setter]
+    fn set_native_merge(&mut self, on: bool) -> PyResult<()> {
+        api("set_native_merge", || {
+            self.cls.merge_on = on;
+            Ok(())
+        })
+    }
+
+    /// The native merge of `next` into `cur` (two RequestOutputs with one
+    /// completion each), as the loop does it, for the adapter's self-check:
+    /// whether it applied (false: left to vLLM's `add`, nothing written).
+    fn native_merge_outputs<'py>(
+        &self,
+        cur: &Bound<'py, PyAny>,
+        next: &Bound<'py, PyAny>,
+    ) -> PyResult<bool> {
+        api("native_merge_outputs", || {
+            let py = cur.py();
+            let one = |ro: &Bound<'py, PyAny>| -> PyResult<Option<Bound<'py, PyAny>>> {
+                let outs = ro.getattr(self.cls.fields.outputs.bind(py))?;
+                Ok(match outs.cast_into::<PyList>() {
+                    Ok(l) if l.len() == 1 => Some(l.get_item(0)?),
+                    _ => None,
+                })
+            };
+            let (Some(cur_co), Some(next_co)) = (one(cur)?, one(next)?) else {
+                return Ok(false);
+            };
+            let dict = |o: &Bound<'py, PyAny>| -> PyResult<Bound<'py, PyDict>> {
+                Ok(o.getattr(s!(py, "__dict__"))?.cast_into::<PyDict>()?)
+            };
+            self.cls
+                .merge
+                .merge(cur, &cur_co, &dict(next)?, &dict(&next_co)?)
         })
     }
 

@@ -58,7 +58,9 @@ impl Classes {
         Ok(spans.into_any())
     }
 
-    /// vLLM's `RequestState.make_request_output` for a fast request.
+    /// vLLM's `RequestState.make_request_output` for a fast request; when the
+    /// request's collector still holds an output, merged into it natively where
+    /// the merge rules allow (`merge.rs`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn make_fast_output<'py>(
         &self,
@@ -69,20 +71,21 @@ impl Classes {
         stop_reason: Bound<'py, PyAny>,
         kv: Bound<'py, PyAny>,
         ec: Bound<'py, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+    ) -> PyResult<Built<'py>> {
+        let target = self.merge_target(py, req)?;
         let Mode::Fast(f) = &mut req.mode else {
             unreachable!("fast output for a fallback request")
         };
         let mut finished = fr.is_some();
         if !finished && f.kind == OutKind::FinalOnly {
-            return Ok(None);
+            return Ok(Built::Nothing);
         }
         let delta = f.kind == OutKind::Delta;
         let mut token_ids = new_ids;
         if f.stream_interval > 1
             && !(finished || f.sent_offset == 0 || f.n_out - f.sent_offset >= f.stream_interval)
         {
-            return Ok(None);
+            return Ok(Built::Nothing);
         }
         let (text, all_ids) = match &mut f.detok {
             Detok::Python(detok) => {
@@ -135,6 +138,13 @@ impl Classes {
                 self.weight_spans(py, f)?,
             )?;
         }
+        if let Some((cur, cur_co)) = target {
+            // n = 1 (merge_target): finished is the finish reason's.
+            let ro = self.next_ro_fields(py, f, finished, &kv, &ec)?;
+            if self.merge.merge(&cur, &cur_co, &ro, &co)? {
+                return Ok(Built::Merged);
+            }
+        }
         let co = new_with_dict(self.completion_output.bind(py), co)?;
         let outputs = match &req.parent {
             None => PyList::new(py, [co])?.into_any(),
@@ -151,17 +161,33 @@ impl Classes {
                         .call_method1(self.obj.get_outputs.bind(py), (req.id.bind(py), co))?;
                     let (outs, fin): (Bound<'py, PyAny>, bool) = r.extract()?;
                     if !outs.is_truthy()? {
-                        return Ok(None);
+                        return Ok(Built::Nothing);
                     }
                     finished = fin;
                     outs
                 }
             }
         };
+        let ro = self.next_ro_fields(py, f, finished, &kv, &ec)?;
+        ro.set_item(self.fields.outputs.bind(py), outputs)?;
+        Ok(Built::Output(new_with_dict(
+            self.request_output.bind(py),
+            ro,
+        )?))
+    }
+
+    /// The fields of a fast request's next RequestOutput, but its `outputs`.
+    fn next_ro_fields<'py>(
+        &self,
+        py: Python<'py>,
+        f: &Fast,
+        finished: bool,
+        kv: &Bound<'py, PyAny>,
+        ec: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         // The template holds finished=False, no transfer params and the current
         // cached-token counts (written when prefill ends).
         let ro = copy_dict(f.ro_template.bind(py))?;
-        ro.set_item(self.fields.outputs.bind(py), outputs)?;
         if finished {
             ro.set_item(self.fields.finished.bind(py), true)?;
         }
@@ -171,8 +197,18 @@ impl Classes {
         if !ec.is_none() {
             ro.set_item(self.fields.ec_transfer_params.bind(py), ec)?;
         }
-        Ok(Some(new_with_dict(self.request_output.bind(py), ro)?))
+        Ok(ro)
     }
+}
+
+/// What `make_fast_output` made of a step.
+pub(super) enum Built<'py> {
+    /// A new output for the collector (or the returned list).
+    Output(Bound<'py, PyAny>),
+    /// Merged into the output the collector still held.
+    Merged,
+    /// No output this step (FINAL_ONLY before the end, stream interval, n > 1).
+    Nothing,
 }
 
 impl OutputCore {

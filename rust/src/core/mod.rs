@@ -186,6 +186,10 @@ struct Classes {
     fields: OutFields,
     /// Names on vLLM's per-request objects (RequestState, ParentRequest, ...).
     obj: ObjFields,
+    /// `RequestOutput.add`'s rules, and whether the native merge may run (the
+    /// adapter's self-check passed).
+    merge: MergeRules,
+    merge_on: bool,
 }
 
 /// A struct of vLLM attribute names read from the adapter's spec (by field name),
@@ -288,6 +292,7 @@ struct CoreSpec<'py> {
     eco_fields: EcoFieldNames,
     output_fields: OutputFieldNames,
     object_fields: ObjectFieldNames,
+    merge_fields: MergeFieldNames,
     helpers: HelperSpec<'py>,
     lora_states: Bound<'py, PyAny>,
     eco_offsets: bool,
@@ -376,6 +381,8 @@ pub struct OutputCore {
     native_stats: bool,
     /// Request-steps whose statistics were recorded natively.
     native_stats_steps: u64,
+    /// Outputs merged natively into one their collector still held.
+    native_merges: u64,
     invalidations: u64,
     /// The tokenizer, loaded natively once per processor (None: Python detokenizer).
     vocab: Option<Arc<Vocab>>,
@@ -441,5 +448,9 @@ fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
 
 mod api;
 mod build;
+mod merge;
 mod stats;
 mod step;
+
+use build::Built;
+use merge::{MergeFieldNames, MergeRules};

@@ -605,8 +605,10 @@ impl OutputCore {
             )?
         };
         let req = self.table.get(slot).unwrap();
-        if let Some(out) = out {
-            self.publish(py, req, out, outs)?;
+        match out {
+            Built::Output(out) => self.publish(py, req, out, outs)?,
+            Built::Merged => self.native_merges += 1,
+            Built::Nothing => {}
         }
         if fr.is_some() {
             self.finish(
@@ -672,7 +674,7 @@ impl OutputCore {
                             none.clone(),
                             none,
                         )?;
-                        if let (Some(out), Some(q)) = (out, req.queue.as_ref()) {
+                        if let (Built::Output(out), Some(q)) = (out, req.queue.as_ref()) {
                             self.put(py, q, &out)?;
                         }
                     }

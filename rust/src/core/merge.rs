@@ -1,0 +1,192 @@
+//! Native collector merge: vLLM's `RequestOutput.add(next, aggregate=True)` for a
+//! fast n = 1 DELTA request whose collector still holds an output the consumer has
+//! not taken (the consumer is behind, e.g. while the engine is ahead of the API
+//! server). The step's fields are merged into that output instead of building a new
+//! `RequestOutput` and calling vLLM's `add` in Python.
+//!
+//! The field rules come from the adapter (`vllm_adapter.base.MergeFields`), and its
+//! self-check (`check_native_merge`) runs vLLM's `add` and this merge on the same
+//! outputs at start-up, with every field of the next output distinct; any difference
+//! turns the native merge off. Anything unusual (another type, several completions,
+//! another index, logprobs or a sampling mask to merge, token ids that are not a
+//! list) is left to vLLM's `add`.
+
+use super::*;
+
+/// `RequestOutput.add`'s rules for the fields of one completion of the same index.
+pub(super) struct MergeRules {
+    index: Py<PyString>,
+    /// `completion.f += next.f` (text).
+    concatenated: Vec<Py<PyString>>,
+    /// `completion.f.extend(next.f)` (token ids).
+    extended: Vec<Py<PyString>>,
+    /// Merged by vLLM in ways the native merge does not do: a next value other
+    /// than None leaves the merge to vLLM (logprobs, sampling mask).
+    refused: Vec<Py<PyString>>,
+    /// `if next.f is not None: completion.f = next.f`.
+    kept_unless_none: Vec<Py<PyString>>,
+    /// `completion.f = next.f`.
+    replaced: Vec<Py<PyString>>,
+    /// RequestOutput: `self.f |= next.f` (finished).
+    ro_or: Vec<Py<PyString>>,
+    /// RequestOutput: `self.f = next.f` (transfer params).
+    ro_replaced: Vec<Py<PyString>>,
+    /// RequestOutput: kept unless next's is None (our `error`).
+    ro_kept_unless_none: Vec<Py<PyString>>,
+}
+
+/// `vllm_adapter.base.MergeFields`.
+#[derive(FromPyObject)]
+pub(super) struct MergeFieldNames {
+    index: String,
+    concatenated: Vec<String>,
+    extended: Vec<String>,
+    refused: Vec<String>,
+    kept_unless_none: Vec<String>,
+    replaced: Vec<String>,
+    ro_or: Vec<String>,
+    ro_replaced: Vec<String>,
+    ro_kept_unless_none: Vec<String>,
+}
+
+fn interned(py: Python<'_>, names: &[String]) -> Vec<Py<PyString>> {
+    names
+        .iter()
+        .map(|n| PyString::intern(py, n).unbind())
+        .collect()
+}
+
+impl MergeRules {
+    pub(super) fn new(py: Python<'_>, n: &MergeFieldNames) -> Self {
+        Self {
+            index: PyString::intern(py, &n.index).unbind(),
+            concatenated: interned(py, &n.concatenated),
+            extended: interned(py, &n.extended),
+            refused: interned(py, &n.refused),
+            kept_unless_none: interned(py, &n.kept_unless_none),
+            replaced: interned(py, &n.replaced),
+            ro_or: interned(py, &n.ro_or),
+            ro_replaced: interned(py, &n.ro_replaced),
+            ro_kept_unless_none: interned(py, &n.ro_kept_unless_none),
+        }
+    }
+
+    /// The value `next` holds for `name` (a missing field reads as None).
+    fn next_value<'py>(
+        next: &Bound<'py, PyDict>,
+        name: &Py<PyString>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = next.py();
+        Ok(next
+            .get_item(name.bind(py))?
+            .unwrap_or_else(|| py.None().into_bound(py)))
+    }
+
+    /// Whether `cur` (a RequestOutput with one completion `cur_co`) can take `next`
+    /// natively; checked in full before anything is written.
+    fn accepts(&self, cur_co: &Bound<'_, PyAny>, next_co: &Bound<'_, PyDict>) -> PyResult<bool> {
+        let py = cur_co.py();
+        for name in &self.refused {
+            if !Self::next_value(next_co, name)?.is_none() {
+                return Ok(false);
+            }
+        }
+        for name in &self.extended {
+            if !cur_co.getattr(name.bind(py))?.is_instance_of::<PyList>() {
+                return Ok(false);
+            }
+        }
+        let index = Self::next_value(next_co, &self.index)?;
+        cur_co.getattr(self.index.bind(py))?.eq(index)
+    }
+
+    /// Merge `next` (the fields of the next RequestOutput and of its one
+    /// completion) into `cur` as `cur.add(next, aggregate=True)` would. Returns
+    /// false, having written nothing, when it is left to vLLM's `add`.
+    pub(super) fn merge(
+        &self,
+        cur: &Bound<'_, PyAny>,
+        cur_co: &Bound<'_, PyAny>,
+        next_ro: &Bound<'_, PyDict>,
+        next_co: &Bound<'_, PyDict>,
+    ) -> PyResult<bool> {
+        if !self.accepts(cur_co, next_co)? {
+            return Ok(false);
+        }
+        let py = cur.py();
+        for name in &self.concatenated {
+            let joined = cur_co
+                .getattr(name.bind(py))?
+                .add(Self::next_value(next_co, name)?)?;
+            cur_co.setattr(name.bind(py), joined)?;
+        }
+        for name in &self.extended {
+            let list = cur_co.getattr(name.bind(py))?;
+            list.call_method1(s!(py, "extend"), (Self::next_value(next_co, name)?,))?;
+        }
+        for name in &self.kept_unless_none {
+            let v = Self::next_value(next_co, name)?;
+            if !v.is_none() {
+                cur_co.setattr(name.bind(py), v)?;
+            }
+        }
+        for name in &self.replaced {
+            cur_co.setattr(name.bind(py), Self::next_value(next_co, name)?)?;
+        }
+        for name in &self.ro_or {
+            let v = cur
+                .getattr(name.bind(py))?
+                .bitor(Self::next_value(next_ro, name)?)?;
+            cur.setattr(name.bind(py), v)?;
+        }
+        for name in &self.ro_replaced {
+            cur.setattr(name.bind(py), Self::next_value(next_ro, name)?)?;
+        }
+        for name in &self.ro_kept_unless_none {
+            let v = Self::next_value(next_ro, name)?;
+            if !v.is_none() {
+                cur.setattr(name.bind(py), v)?;
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl Classes {
+    /// The output a fast request's collector still holds, when the native merge
+    /// may take the next one: n = 1, an exact RequestOutputCollector that
+    /// aggregates (DELTA), holding exactly a RequestOutput with one completion.
+    pub(super) fn merge_target<'py>(
+        &self,
+        py: Python<'py>,
+        req: &Req,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+        if !self.merge_on || req.parent.is_some() {
+            return Ok(None);
+        }
+        let Some(q) = req.queue.as_ref().filter(|q| q.exact && q.aggregate) else {
+            return Ok(None);
+        };
+        let Some(d) = q.dict.as_ref() else {
+            return Ok(None);
+        };
+        let Some(cur) = d.bind(py).get_item(self.obj.collector_output.bind(py))? else {
+            return Ok(None);
+        };
+        if !cur.get_type().is(self.request_output.bind(py)) {
+            return Ok(None);
+        }
+        let outs = cur.getattr(self.fields.outputs.bind(py))?;
+        let Ok(outs) = outs.cast_into::<PyList>() else {
+            return Ok(None);
+        };
+        if outs.len() != 1 {
+            return Ok(None);
+        }
+        let co = outs.get_item(0)?;
+        if !co.get_type().is(self.completion_output.bind(py)) {
+            return Ok(None);
+        }
+        Ok(Some((cur, co)))
+    }
+}
