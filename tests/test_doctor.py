@@ -56,7 +56,7 @@ def test_tiny_model_text_report(tiny_model_path: str) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1] == "vllm-mmretry doctor: all is well"
     by_name = {line.split()[2]: line for line in lines[:-1]}
-    assert set(by_name) == {"vllm", "plugin", "native_core", "tokenizer", "mm_cache"}
+    assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "tokenizer", "mm_cache"}
     assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
     assert f"vLLM {installed_vllm_version()} is supported" in by_name["vllm"]
     assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
@@ -131,3 +131,12 @@ def test_vllm_plugins_without_us_exits_1() -> None:
     assert "does not list vllm_mmretry" in r["checks"]["plugin"]["summary"]
     status, r = report("doctor", VLLM_PLUGINS="some_other_plugin,vllm_mmretry")
     assert status == 0 and r["checks"]["plugin"]["status"] == "ok"
+
+
+def test_receive_check_says_when_it_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmretry import doctor, receive
+
+    assert doctor.check_receive().status == "ok"
+    monkeypatch.setenv(receive.ENV_SWITCH, "0")
+    check = doctor.check_receive()
+    assert check.status == "warn" and receive.ENV_SWITCH in check.summary

@@ -2,7 +2,8 @@
 
 Answers, for this environment and the given `vllm serve` arguments: is the installed
 vLLM supported; will vLLM load the plugin (entry point, VLLM_PLUGINS, VLLM_MMRETRY);
-does the native core match the installed package; does the model's tokenizer run
+does the native core match the installed package; will engine outputs be received
+ready-first (receive.py); does the model's tokenizer run
 on the native detokenizer (and if not, why); which multimodal processor cache
 layout `vllm serve` would build, and whether P0/P1 drift can happen in it.
 
@@ -117,6 +118,24 @@ def check_native_core() -> Check:
     return Check("native_core", OK, f"native core {core} matches the package", details)
 
 
+def check_receive() -> Check:
+    """Whether the API server will receive engine outputs ready-first (receive.py)."""
+    from vllm_mmretry import receive
+
+    if not receive.enabled():
+        return Check("receive", WARN, f"{receive.ENV_SWITCH}=0: engine outputs are received "
+                     "as vLLM does (pyzmq's Future per message; slower under load)")
+    found = vllm_adapter.get()
+    if found is None:
+        return Check("receive", SKIP, "needs a supported vLLM")
+    seam = found.receive_seam()
+    if isinstance(seam, str):
+        return Check("receive", WARN, "vLLM's engine-output task is not the one the plugin "
+                     f"knows ({seam}): outputs are received as vLLM does")
+    return Check("receive", OK, "engine outputs are received ready-first "
+                 f"({seam.owner.__name__}.{seam.method})")
+
+
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
     if target is None:
         return Check("tokenizer", SKIP, "no model or folder given")
@@ -212,6 +231,7 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
             checks.append(Check("tokenizer", SKIP, "needs a supported vLLM"))
             checks.append(Check("mm_cache", SKIP, "needs a supported vLLM"))
         return checks
+    checks.append(check_receive())
     args = None
     if target is not None:
         try:
