@@ -2,7 +2,8 @@
 synthetic decode streams, in one run.
 
 Every request gets one new token per step, DELTA streaming, detokenization on,
-AsyncLLM mode (one RequestOutputCollector per request, drained every step),
+AsyncLLM mode (one RequestOutputCollector per request, drained every step, or every
+K steps with --drain-every K: a consumer that is behind, whose collectors merge),
 with the start-up heap frozen as vLLM's API server does (`freeze_gc_heap`).
 Variants: plain decode, two stop strings, n=4 (batch counts child requests).
 Prints a table and one JSON line per row (µs per request-step, medians), then
@@ -10,6 +11,7 @@ the current RSS (/proc/self/statm) of this process before and after 1M
 request-steps through our processor (after a warm-up), which should be flat.
 
 Usage: python benches/bench_output_loop.py [--quick] [--tokenizer DIR] [--python-detok]
+       [--log-stats] [--drain-every K]
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 OUR_KW: dict[str, Any] = {}
 BOTH_KW: dict[str, Any] = {"log_stats": False}
+# Steps between takes of the collectors' outputs (--drain-every).
+DRAIN_EVERY = 1
 
 
 def _setup(
@@ -119,8 +123,9 @@ def run(
         t0 = time.perf_counter()
         op.process_outputs(outs, time.monotonic(), stats)
         times.append(time.perf_counter() - t0)
-        for q in collectors:
-            q.get_nowait()
+        if (s + 1) % DRAIN_EVERY == 0:
+            for q in collectors:
+                q.get_nowait()
     if cls is OurOP:
         c = op.counters()  # every request ran the fast loop, with the detokenizer asked for
         assert c["fallback_steps"] == 0 and c["native_detok"] == (0 if OUR_KW else len(child_ids)), c
@@ -164,7 +169,11 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--log-stats", action="store_true", help="both processors with log_stats=True and IterationStats")
     ap.add_argument("--repeat", type=int, default=3, help="alternating stock/ours runs per row (median)")
+    ap.add_argument("--drain-every", type=int, default=1,
+                    help="take the collectors' outputs every K steps (K > 1: outputs are merged)")
     args = ap.parse_args()
+    global DRAIN_EVERY
+    DRAIN_EVERY = max(1, args.drain_every)
     if args.python_detok:
         OUR_KW["native_detok"] = False
     if args.log_stats:
@@ -181,7 +190,7 @@ def main() -> None:
     batches = (64, 1024) if args.quick else (64, 256, 1024, 4096)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
-    print(f"statistics {'on' if BOTH_KW['log_stats'] else 'off'}")
+    print(f"statistics {'on' if BOTH_KW['log_stats'] else 'off'}, collectors drained every {DRAIN_EVERY} step(s)")
     print(f"{'variant':8s} {'batch':>6s} {'stock_us':>9s} {'ours_us':>9s} {'ratio':>6s}")
     rows = []
     for variant in args.variants.split(","):
@@ -199,6 +208,7 @@ def main() -> None:
                 "variant": variant,
                 "batch": b,
                 "log_stats": BOTH_KW["log_stats"],
+                "drain_every": DRAIN_EVERY,
                 "stock_us": round(stock * 1e6 / b, 3),
                 "ours_us": round(ours * 1e6 / b, 3),
                 "ratio": round(stock / ours, 2),

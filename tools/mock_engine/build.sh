@@ -23,7 +23,8 @@ WORK=${MOCK_ENGINE_WORK:-$ROOT/.cache/mock-engine-build}
 PY=${PYTHON:-python3}
 SDIST=$WORK/vllm-$VLLM_VERSION.tar.gz
 
-sha_ok() { [[ -f $1 ]] && echo "$SDIST_SHA256  $1" | sha256sum --quiet -c - 2>/dev/null; }
+# Quiet: polled while pip is still writing the file, so a mismatch is expected at first.
+sha_ok() { [[ -f $1 ]] && echo "$SDIST_SHA256  $1" | sha256sum --quiet -c - >/dev/null 2>&1; }
 
 fetch_sdist() {
   local tmp pid found

@@ -82,6 +82,23 @@ impl MergeRules {
             .unwrap_or_else(|| py.None().into_bound(py)))
     }
 
+    /// `obj.f = next.f` for each name; with `unless_none`, only where next's is not None.
+    fn assign_each(
+        obj: &Bound<'_, PyAny>,
+        next: &Bound<'_, PyDict>,
+        names: &[Py<PyString>],
+        unless_none: bool,
+    ) -> PyResult<()> {
+        let py = obj.py();
+        for name in names {
+            let v = Self::next_value(next, name)?;
+            if !(unless_none && v.is_none()) {
+                obj.setattr(name.bind(py), v)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `cur` (a RequestOutput with one completion `cur_co`) can take `next`
     /// natively; checked in full before anything is written.
     fn accepts(&self, cur_co: &Bound<'_, PyAny>, next_co: &Bound<'_, PyDict>) -> PyResult<bool> {
@@ -124,30 +141,16 @@ impl MergeRules {
             let list = cur_co.getattr(name.bind(py))?;
             list.call_method1(s!(py, "extend"), (Self::next_value(next_co, name)?,))?;
         }
-        for name in &self.kept_unless_none {
-            let v = Self::next_value(next_co, name)?;
-            if !v.is_none() {
-                cur_co.setattr(name.bind(py), v)?;
-            }
-        }
-        for name in &self.replaced {
-            cur_co.setattr(name.bind(py), Self::next_value(next_co, name)?)?;
-        }
+        Self::assign_each(cur_co, next_co, &self.kept_unless_none, true)?;
+        Self::assign_each(cur_co, next_co, &self.replaced, false)?;
         for name in &self.ro_or {
             let v = cur
                 .getattr(name.bind(py))?
                 .bitor(Self::next_value(next_ro, name)?)?;
             cur.setattr(name.bind(py), v)?;
         }
-        for name in &self.ro_replaced {
-            cur.setattr(name.bind(py), Self::next_value(next_ro, name)?)?;
-        }
-        for name in &self.ro_kept_unless_none {
-            let v = Self::next_value(next_ro, name)?;
-            if !v.is_none() {
-                cur.setattr(name.bind(py), v)?;
-            }
-        }
+        Self::assign_each(cur, next_ro, &self.ro_replaced, false)?;
+        Self::assign_each(cur, next_ro, &self.ro_kept_unless_none, true)?;
         Ok(true)
     }
 }
