@@ -594,13 +594,7 @@ impl OutputCore {
     ) -> PyResult<bool> {
         api("native_merge_outputs", || {
             let py = cur.py();
-            let one = |ro: &Bound<'py, PyAny>| -> PyResult<Option<Bound<'py, PyAny>>> {
-                let outs = ro.getattr(self.cls.fields.outputs.bind(py))?;
-                Ok(match outs.cast_into::<PyList>() {
-                    Ok(l) if l.len() == 1 => Some(l.get_item(0)?),
-                    _ => None,
-                })
-            };
+            let one = |ro| self.cls.single_completion(ro);
             let (Some(cur_co), Some(next_co)) = (one(cur)?, one(next)?) else {
                 return Ok(false);
             };

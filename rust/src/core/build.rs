@@ -72,7 +72,6 @@ impl Classes {
         kv: Bound<'py, PyAny>,
         ec: Bound<'py, PyAny>,
     ) -> PyResult<Built<'py>> {
-        let target = self.merge_target(py, req)?;
         let Mode::Fast(f) = &mut req.mode else {
             unreachable!("fast output for a fallback request")
         };
@@ -138,12 +137,18 @@ impl Classes {
                 self.weight_spans(py, f)?,
             )?;
         }
-        if let Some((cur, cur_co)) = target {
-            // n = 1 (merge_target): finished is the finish reason's.
+        // Looked up only for a step that makes an output.
+        let mut n1_ro = None;
+        if let Some((cur, cur_co)) =
+            self.merge_target(py, req.parent.is_some(), req.queue.as_ref())?
+        {
             let ro = self.next_ro_fields(py, f, finished, &kv, &ec)?;
             if self.merge.merge(&cur, &cur_co, &ro, &co)? {
                 return Ok(Built::Merged);
             }
+            // Refused: n = 1, so `finished` stays the finish reason's and these
+            // fields are the new output's too.
+            n1_ro = Some(ro);
         }
         let co = new_with_dict(self.completion_output.bind(py), co)?;
         let outputs = match &req.parent {
@@ -168,7 +173,10 @@ impl Classes {
                 }
             }
         };
-        let ro = self.next_ro_fields(py, f, finished, &kv, &ec)?;
+        let ro = match n1_ro {
+            Some(ro) => ro,
+            None => self.next_ro_fields(py, f, finished, &kv, &ec)?,
+        };
         ro.set_item(self.fields.outputs.bind(py), outputs)?;
         Ok(Built::Output(new_with_dict(
             self.request_output.bind(py),

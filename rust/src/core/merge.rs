@@ -156,18 +156,31 @@ impl MergeRules {
 }
 
 impl Classes {
+    /// The one completion of a RequestOutput whose `outputs` is a list of one.
+    pub(super) fn single_completion<'py>(
+        &self,
+        ro: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let outs = ro.getattr(self.fields.outputs.bind(ro.py()))?;
+        Ok(match outs.cast_into::<PyList>() {
+            Ok(l) if l.len() == 1 => Some(l.get_item(0)?),
+            _ => None,
+        })
+    }
+
     /// The output a fast request's collector still holds, when the native merge
-    /// may take the next one: n = 1, an exact RequestOutputCollector that
-    /// aggregates (DELTA), holding exactly a RequestOutput with one completion.
+    /// may take the next one: n = 1 (no parent), an exact RequestOutputCollector
+    /// that aggregates (DELTA), holding exactly a RequestOutput with one completion.
     pub(super) fn merge_target<'py>(
         &self,
         py: Python<'py>,
-        req: &Req,
+        has_parent: bool,
+        queue: Option<&Queue>,
     ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
-        if !self.merge_on || req.parent.is_some() {
+        if !self.merge_on || has_parent {
             return Ok(None);
         }
-        let Some(q) = req.queue.as_ref().filter(|q| q.exact && q.aggregate) else {
+        let Some(q) = queue.filter(|q| q.exact && q.aggregate) else {
             return Ok(None);
         };
         let Some(d) = q.dict.as_ref() else {
@@ -179,17 +192,9 @@ impl Classes {
         if !cur.get_type().is(self.request_output.bind(py)) {
             return Ok(None);
         }
-        let outs = cur.getattr(self.fields.outputs.bind(py))?;
-        let Ok(outs) = outs.cast_into::<PyList>() else {
-            return Ok(None);
-        };
-        if outs.len() != 1 {
-            return Ok(None);
-        }
-        let co = outs.get_item(0)?;
-        if !co.get_type().is(self.completion_output.bind(py)) {
-            return Ok(None);
-        }
-        Ok(Some((cur, co)))
+        Ok(self
+            .single_completion(&cur)?
+            .filter(|co| co.get_type().is(self.completion_output.bind(py)))
+            .map(|co| (cur, co)))
     }
 }
