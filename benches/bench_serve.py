@@ -11,8 +11,9 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
-at each concurrency with 1.5 x concurrency requests. Repeats alternate the configurations
-(the order rotates every repeat), so load changes on a shared machine hit all of them.
+at each concurrency with 4 x concurrency requests (--prompts-factor). Repeats alternate the
+configurations (the order rotates every repeat), so load changes on a shared machine hit
+all of them.
 
 Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
 vllm-bench's steady-state window (whole run when it has none) with its min-max; output
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from servers import free_port, server_env  # noqa: E402
 
 MOCK_DIR = ROOT / ".cache" / "mock-engine"  # where `make mock-engine` puts both binaries
+CALL_TIMES_SITE = ROOT / "tools" / "call_times"  # a sitecustomize, put on PYTHONPATH
 PROMPT_LEN, OUTPUT_LEN = 32, 256
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
@@ -74,6 +76,7 @@ class Frontend:
     log_path: pathlib.Path
     proc: subprocess.Popen
     engine: subprocess.Popen | None = None
+    call_times: pathlib.Path | None = None  # folder of tools/call_times snapshots (--call-times)
 
     @property
     def base_url(self) -> str:
@@ -134,24 +137,32 @@ def popen(cmd: list[str], log_path: pathlib.Path, env: dict[str, str]) -> subpro
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
-def launch_frontend(name: str, model: str, tools: Tools, log_dir: pathlib.Path) -> tuple[Frontend, int]:
+def launch_frontend(name: str, model: str, tools: Tools, log_dir: pathlib.Path,
+                    call_times: bool = False) -> tuple[Frontend, int]:
     """Start the front end of one configuration (headless: it waits for an engine)."""
     port, rpc = free_port(), free_port()
     log_path = log_dir / f"{name.replace('/', '-')}-{port}.log"
     env = server_env()
     kind, stats = name.split("/")
+    times_dir = None
     if kind == "rust":
         cmd = [str(tools.vllm_rs), "serve", model]
     else:
         env["VLLM_MMRETRY"] = "0" if kind == "stock" else "1"
         cmd = [sys.executable, "-m", "vllm_mmretry.cli", "serve", model]
+        if call_times:
+            times_dir = log_dir / f"call-times-{port}"
+            times_dir.mkdir()
+            env["BENCH_CALL_TIMES_DIR"] = str(times_dir)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(CALL_TIMES_SITE), env.get("PYTHONPATH", "")) if p)
     # Headless: no local engine; the mock engine joins the handshake on `rpc`.
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
             "--data-parallel-size", "1", "--data-parallel-size-local", "0",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
     if stats == "off":
         cmd.append("--disable-log-stats")
-    return Frontend(name, port, log_path, popen(cmd, log_path, env)), rpc
+    return Frontend(name, port, log_path, popen(cmd, log_path, env), call_times=times_dir), rpc
 
 
 def attach_engine(fe: Frontend, rpc: int, tools: Tools, timeout: float) -> None:
@@ -190,13 +201,13 @@ def stop_proc(proc: subprocess.Popen | None) -> None:
 
 @contextlib.contextmanager
 def serving(names: list[str], model: str, tools: Tools, log_dir: pathlib.Path,
-            timeout: float = 300.0) -> Iterator[dict[str, Frontend]]:
+            timeout: float = 300.0, call_times: bool = False) -> Iterator[dict[str, Frontend]]:
     """All configurations up at once (idle ones cost almost no CPU), stopped at the end."""
     fes: dict[str, Frontend] = {}
     try:
         launched = []
         for name in names:  # start-ups overlap; each engine joins as its socket appears
-            fe, rpc = launch_frontend(name, model, tools, log_dir)
+            fe, rpc = launch_frontend(name, model, tools, log_dir, call_times)
             fes[name] = fe
             launched.append((fe, rpc))
         for fe, rpc in launched:
@@ -226,13 +237,48 @@ def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency:
     """One closed-loop load run against one front end; returns the row's measurements."""
     result = work / f"{fe.name.replace('/', '-')}-{endpoint}-{concurrency}-{time.monotonic_ns()}.json"
     cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed)
+    calls0 = call_snapshot(fe)
     cpu0 = cpu_seconds(fe.api_pid)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
     cpu = cpu_seconds(fe.api_pid) - cpu0
     if out.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm-rs bench serve failed ({out.returncode}) on {fe.name}:\n"
                            f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}\nserver log:\n{tail(fe.log_path)}")
-    return measurements(json.loads(result.read_text()), cpu, num_prompts)
+    m = measurements(json.loads(result.read_text()), cpu, num_prompts)
+    if calls0 is not None:
+        m["calls"] = call_times_of(calls0, call_snapshot(fe, fresh=True), num_prompts)
+    return m
+
+
+def call_snapshot(fe: Frontend, fresh: bool = False) -> dict[str, Any] | None:
+    """The API server's latest tools/call_times snapshot (None without --call-times);
+    `fresh` waits for one written after this call (they come every 0.2 s)."""
+    if fe.call_times is None:
+        return None
+    path = fe.call_times / f"{fe.api_pid}.json"
+    if fresh:
+        t = time.time()
+        while not (path.exists() and path.stat().st_mtime > t):
+            time.sleep(0.05)
+    return json.loads(path.read_text()) if path.exists() else {"cpu": 0.0, "calls": {}}
+
+
+def call_times_of(before: dict[str, Any], after: dict[str, Any], num_prompts: int) -> dict[str, float]:
+    """Per engine-output message over one run: how many, their outputs, and each wrapped
+    function's µs per message and share of the API server's CPU."""
+    cpu = after["cpu"] - before["cpu"]
+    delta = {name: [a - b for a, b in zip(v, before["calls"].get(name, [0, 0, 0.0]), strict=True)]
+             for name, v in after["calls"].items()}
+    top = "plugin.process_outputs" if delta.get("plugin.process_outputs", [0])[0] else "process_outputs"
+    msgs = delta.get(top, [0])[0]
+    out: dict[str, float] = {"msgs_per_req": msgs / num_prompts,
+                             "outputs_per_msg": delta[top][1] / msgs if msgs else 0.0,
+                             "cpu_us_per_msg": 1e6 * cpu / msgs if msgs else 0.0}
+    for name, label in ((top, "process_outputs"), ("record", "record"), ("decode", "decode")):
+        _, _, secs = delta.get(name, [0, 0, 0.0])
+        out[f"{label}_us_per_msg"] = 1e6 * secs / msgs if msgs else 0.0
+        out[f"{label}_cpu_share"] = secs / cpu if cpu else 0.0
+    return out
 
 
 def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str, float]:
@@ -291,8 +337,11 @@ def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
                     m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep)
                     m["repeat"] = rep
                     runs.setdefault((name, endpoint, conc), []).append(m)
+                    calls = m.get("calls")
+                    per_msg = (f"  {calls['outputs_per_msg']:.1f} outputs/msg "
+                               f"{calls['cpu_us_per_msg']:.0f} µs/msg" if calls else "")
                     print(f"  repeat {rep} {endpoint:11s} c={conc:<4d} {name:10s} "
-                          f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s  "
+                          f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s{per_msg}  "
                           f"[{time.monotonic() - args.t0:.0f}s]", flush=True)
     return runs
 
@@ -314,12 +363,17 @@ def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[
             row[key] = round(statistics.median(vals), digits)
             if key in ("req_s", "tok_s", "cpu_per_1k"):
                 row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
+        row["req_s_repeats"] = [round(m["req_s"], 2) for m in ms]
         row["steady_state_runs"] = int(sum(m["steady"] for m in ms))
+        if all("calls" in m for m in ms):
+            row["calls"] = {k: round(statistics.median(m["calls"][k] for m in ms), 3)
+                            for k in ms[0]["calls"]}
         base = runs.get((baseline_of(name), endpoint, conc))
         if base and name != baseline_of(name):
             by_rep = {m["repeat"]: m["req_s"] for m in base}
             ratios = [m["req_s"] / by_rep[m["repeat"]] for m in ms if m["repeat"] in by_rep]
             row["vs_stock"] = round(statistics.median(ratios), 2)
+            row["vs_stock_repeats"] = [round(r, 2) for r in ratios]
             row["vs_stock_min"], row["vs_stock_max"] = round(min(ratios), 2), round(max(ratios), 2)
         rows.append(row)
     order = {n: i for i, n in enumerate(ALL_CONFIGS)}
@@ -341,6 +395,22 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['cpu_per_1k']:.3f} | {ratio} |")
 
 
+def print_call_times(rows: list[dict[str, Any]]) -> None:
+    """With --call-times: where the API server's time per engine-output message goes."""
+    timed = [r for r in rows if "calls" in r]
+    if not timed:
+        return
+    print("\n| endpoint | conc | config | msgs / req | outputs / msg | API CPU µs / msg "
+          "| process_outputs µs (share) | record µs (share) | decode µs (share) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in timed:
+        c = r["calls"]
+        parts = " | ".join(f"{c[k + '_us_per_msg']:.1f} ({100 * c[k + '_cpu_share']:.0f} %)"
+                           for k in ("process_outputs", "record", "decode"))
+        print(f"| {r['endpoint']} | {r['concurrency']} | {r['config']} | {c['msgs_per_req']:.0f} "
+              f"| {c['outputs_per_msg']:.1f} | {c['cpu_us_per_msg']:.0f} | {parts} |")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_SERVE_QUICK") == "1",
@@ -351,14 +421,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--off-endpoints", default="chat",
                     help="endpoints the statistics-off configurations run (time budget)")
-    ap.add_argument("--prompts-factor", type=float, default=1.5,
-                    help="requests per run = concurrency x this (closed loop)")
+    ap.add_argument("--prompts-factor", type=float, default=4.0,
+                    help="requests per run = concurrency x this (closed loop); at 1.5 a run "
+                         "was 2-3 s of ramp-up and its req/s bimodal")
     ap.add_argument("--mock-engine", type=pathlib.Path,
                     default=os.environ.get("MOCK_ENGINE", MOCK_DIR / "vllm-mock-engine"))
     ap.add_argument("--vllm-rs", type=pathlib.Path,
                     default=os.environ.get("VLLM_RS", MOCK_DIR / "vllm-rs"))
     ap.add_argument("--model", default=None, help="model folder (default: tools/tiny_model.py)")
     ap.add_argument("--json-out", type=pathlib.Path, default=None, help="also write the JSON rows here")
+    ap.add_argument("--call-times", action="store_true",
+                    help="time the API server's per-message work (tools/call_times): decode, "
+                         "process_outputs, the stat loggers' record; its wrappers cost a little")
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                     help="py-spy record the API server of stock/on and plugin/on for SECONDS each")
     args = ap.parse_args(argv)
@@ -397,7 +471,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"{PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens; logs in {log_dir}", flush=True)
     work = log_dir / "results"  # vllm-bench's result files, one per load run
     work.mkdir()
-    with serving(args.configs, args.model, args.tools, log_dir) as fes:
+    with serving(args.configs, args.model, args.tools, log_dir, call_times=args.call_times) as fes:
         print(f"  servers up after {time.monotonic() - t0:.0f}s", flush=True)
         warm_up(args.tools, fes, args.model, args.endpoints, work)
         if args.profile:
@@ -406,6 +480,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             profile_frontends(args, fes, work)
         rows = summarize(measure(args, fes, args.model, work))
     print_table(rows)
+    print_call_times(rows)
     for row in rows:
         print(json.dumps(row))
     if args.json_out:

@@ -2,8 +2,8 @@
 vLLM's Rust front end, each behind vLLM's mock engine, loaded by `vllm-rs bench serve`.
 
 Checks that every row is there and sane (the harness itself refuses a run in which a
-request failed; the numbers are positive and consistent with each other);
-no timed assertions.
+request failed; the numbers are positive and consistent with each other), and that
+--call-times accounts the Python front ends' engine-output messages; no timed assertions.
 Needs `make mock-engine`'s binaries; without them the test is skipped, unless
 VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 (then it fails)."""
 
@@ -33,7 +33,7 @@ def quick_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], pa
             pytest.fail(f"missing {missing}: run `make mock-engine`")
         pytest.skip(f"missing {missing}: run `make mock-engine`")
     out = tmp_path_factory.mktemp("bench-serve") / "rows.jsonl"
-    rows = bench_serve.main(["--quick", "--json-out", str(out)])
+    rows = bench_serve.main(["--quick", "--call-times", "--json-out", str(out)])
     return rows, out
 
 
@@ -43,6 +43,7 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
     for r in rows:
         assert (r["endpoint"], r["concurrency"], r["repeats"]) == ("chat", 8, 1)
         assert r["req_s"] > 0 and r["req_s_min"] <= r["req_s"] <= r["req_s_max"]
+        assert r["req_s_repeats"] == [r["req_s"]]  # one repeat: its value is the median
         # every request produced its 256 tokens: token rate is 256 x request rate
         assert r["tok_s"] == pytest.approx(256 * r["req_s"], rel=0.02)
         assert 0 < r["ttft_p50"] <= r["ttft_p99"]
@@ -51,12 +52,43 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
         assert r["tpot_p50"] >= 0 and r["ttft_p50"] <= r["e2el_p50"]
         assert r["steady_state_runs"] == 1  # vllm-bench found a steady-state window
         # /proc counts CPU in 10 ms ticks: the Rust front end serves the smoke run's
-        # 3,072 tokens in about 0.04 s of CPU, and may show none.
+        # 8,192 tokens in about 0.1 s of CPU, and may show none.
         assert r["cpu_per_1k"] > 0 or (r["config"] == "rust/on" and r["cpu_per_1k"] == 0)
     by = {r["config"]: r for r in rows}
     assert "vs_stock" not in by["stock/on"]
     for name in ("plugin/on", "rust/on"):
         assert by[name]["vs_stock"] == pytest.approx(by[name]["req_s"] / by["stock/on"]["req_s"], rel=0.02)
+        assert by[name]["vs_stock_repeats"] == [by[name]["vs_stock"]]
+
+
+def test_call_times_account_every_message(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
+    by = {r["config"]: r for r in quick_rows[0]}
+    assert "calls" not in by["rust/on"]  # not a Python process
+    for name in ("stock/on", "plugin/on"):
+        c = by[name]["calls"]
+        # 256 tokens per request, one per engine step: at most 256 messages carry a request
+        assert 1 <= c["msgs_per_req"] <= 256 + 1
+        assert c["outputs_per_msg"] >= 1
+        assert c["cpu_us_per_msg"] > 0
+        for part in ("process_outputs", "record", "decode"):
+            assert c[part + "_us_per_msg"] > 0
+            assert 0 < c[part + "_cpu_share"] < 1
+
+
+def test_call_times_of_is_per_message() -> None:
+    before = {"cpu": 10.0, "calls": {"decode": [5, 0, 0.5], "record": [5, 0, 1.0],
+                                      "process_outputs": [5, 10, 1.0]}}
+    after = {"cpu": 12.0, "calls": {"decode": [105, 0, 0.52], "record": [105, 0, 1.1],
+                                     "process_outputs": [105, 410, 1.2],
+                                     "plugin.process_outputs": [100, 400, 0.3]}}
+    c = bench_serve.call_times_of(before, after, num_prompts=4)
+    # the plugin's own process_outputs is the per-message one when it ran
+    assert c["msgs_per_req"] == 25 and c["outputs_per_msg"] == 4
+    assert c["cpu_us_per_msg"] == pytest.approx(20000)
+    assert c["process_outputs_us_per_msg"] == pytest.approx(3000)
+    assert c["record_us_per_msg"] == pytest.approx(1000)
+    assert c["decode_us_per_msg"] == pytest.approx(200)
+    assert c["record_cpu_share"] == pytest.approx(0.05)
 
 
 def test_json_lines_match_the_rows(quick_rows: tuple[list[dict], pathlib.Path]) -> None:

@@ -1,0 +1,73 @@
+"""Per-call accounting of an API server's engine-output work, for `bench_serve.py --call-times`.
+
+Imported at start-up when this folder is on PYTHONPATH (bench_serve puts it there only
+with --call-times). With BENCH_CALL_TIMES_DIR set, a daemon thread waits until vLLM's
+modules are loaded (it imports nothing itself), wraps the functions below with a counter
+and a timer, and writes `<dir>/<pid>.json` every 0.2 s: {name: [calls, outputs, seconds]}
+plus the process's CPU seconds. The timer is the calling thread's CPU time
+(`time.thread_time`), not wall time: a call that waits for the GIL while the renderer's
+tokenizer threads hold it, or for a core the mock engine has, would otherwise count that
+wait. Each wrapped call costs about a microsecond more (two clock reads).
+"""
+import os
+
+_DIR = os.environ.get("BENCH_CALL_TIMES_DIR")
+
+# (module, class, method, name): the per-engine-message work of the API server.
+_TARGETS = (
+    ("vllm.v1.serial_utils", "MsgpackDecoder", "decode", "decode"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs", "process_outputs"),
+    # the plugin's (its fallback calls vLLM's for some requests, counted apart above)
+    ("vllm_mmretry.output_processor", "OutputProcessor", "process_outputs", "plugin.process_outputs"),
+    ("vllm.v1.metrics.loggers", "StatLoggerManager", "record", "record"),
+)
+
+
+def _start() -> None:
+    import functools
+    import json
+    import sys
+    import threading
+    import time
+
+    acc: dict[str, list[float]] = {}
+
+    def wrap(cls: type, method: str, name: str) -> None:
+        orig = cls.__dict__[method]
+
+        @functools.wraps(orig)
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t0 = time.thread_time()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                a = acc.setdefault(name, [0, 0, 0.0])
+                a[0] += 1
+                if name.endswith("process_outputs") and len(args) > 1:
+                    a[1] += len(args[1])
+                a[2] += time.thread_time() - t0
+
+        setattr(cls, method, timed)
+
+    def run() -> None:
+        pending = list(_TARGETS)
+        path = os.path.join(_DIR, f"{os.getpid()}.json")
+        while True:
+            for t in list(pending):
+                cls = getattr(sys.modules.get(t[0]), t[1], None)
+                if isinstance(cls, type) and t[2] in cls.__dict__:
+                    wrap(cls, t[2], t[3])
+                    pending.remove(t)
+            cpu = os.times()
+            calls = {k: list(v) for k, v in list(acc.items())}  # list(): one step under the GIL
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"cpu": cpu.user + cpu.system, "calls": calls}, f)
+            os.replace(tmp, path)
+            time.sleep(0.2)
+
+    threading.Thread(target=run, name="bench-call-times", daemon=True).start()
+
+
+if _DIR:
+    _start()
