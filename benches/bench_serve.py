@@ -258,7 +258,11 @@ def call_snapshot(fe: Frontend, fresh: bool = False) -> dict[str, Any] | None:
     path = fe.call_times / f"{fe.api_pid}.json"
     if fresh:
         t = time.time()
+        deadline = time.monotonic() + 10
         while not (path.exists() and path.stat().st_mtime > t):
+            if time.monotonic() > deadline or fe.proc.poll() is not None:
+                raise RuntimeError(f"{fe.name}: no call-times snapshot in {path} for 10 s; "
+                                   f"server log tail:\n{tail(fe.log_path)}")
             time.sleep(0.05)
     return json.loads(path.read_text()) if path.exists() else {"cpu": 0.0, "calls": {}}
 
