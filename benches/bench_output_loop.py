@@ -6,7 +6,9 @@ AsyncLLM mode (one RequestOutputCollector per request, drained every step, or ev
 K steps with --drain-every K: a consumer that is behind, whose collectors merge),
 with the start-up heap frozen as vLLM's API server does (`freeze_gc_heap`).
 Variants: plain decode, two stop strings, n=4 (batch counts child requests).
-Prints a table and one JSON line per row (µs per request-step, medians), then
+The two processors take turns step by step; prints a table and one JSON line per row
+(µs per request-step, medians; ratio: the median of the step-paired ratios, with
+their 10th and 90th percentiles), then
 the current RSS (/proc/self/statm) of this process before and after 1M
 request-steps through our processor (after a warm-up), which should be flat.
 
@@ -106,30 +108,41 @@ def _setup(
     return op, collectors, child_ids
 
 
-def run(
-    cls: type, tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1
-) -> float:
-    """Median seconds per process_outputs call (after warm-up)."""
-    op, collectors, child_ids = _setup(cls, tok, ids, batch, stop, n)
+def step_outputs(child_ids: list[str], ids: list[int], offs: list[int], s: int) -> list[EngineCoreOutput]:
+    return [EngineCoreOutput(request_id=cid, new_token_ids=[ids[(offs[i] + s) % len(ids)]])
+            for i, cid in enumerate(child_ids)]
+
+
+def timed_step(op: Any, outs: list[EngineCoreOutput]) -> float:
+    stats = IterationStats() if BOTH_KW["log_stats"] else None
+    t0 = time.perf_counter()
+    op.process_outputs(outs, time.monotonic(), stats)
+    return time.perf_counter() - t0
+
+
+def run_pair(
+    tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1
+) -> tuple[list[float], list[float]]:
+    """Seconds per process_outputs call of stock and ours, step by step (after warm-up).
+
+    The two processors take turns every step (who goes first alternates), so both see
+    the same machine: this VM's CPU speed drifts by up to about 1.8x within seconds (a
+    fixed pure-Python loop here takes 0.20-0.36 s), which made runs seconds apart
+    disagree by as much."""
+    sides = [_setup(cls, tok, ids, batch, stop, n) for cls in (StockOP, OurOP)]
     rng = random.Random(0)
-    offs = [rng.randrange(len(ids)) for _ in child_ids]
-    times = []
+    offs = [rng.randrange(len(ids)) for _ in sides[0][2]]
+    times: list[list[float]] = [[], []]
     for s in range(steps):
-        outs = [
-            EngineCoreOutput(request_id=cid, new_token_ids=[ids[(offs[i] + s) % len(ids)]])
-            for i, cid in enumerate(child_ids)
-        ]
-        stats = IterationStats() if BOTH_KW["log_stats"] else None
-        t0 = time.perf_counter()
-        op.process_outputs(outs, time.monotonic(), stats)
-        times.append(time.perf_counter() - t0)
-        if (s + 1) % DRAIN_EVERY == 0:
-            for q in collectors:
-                q.get_nowait()
-    if cls is OurOP:
-        c = op.counters()  # every request ran the fast loop, with the detokenizer asked for
-        assert c["fallback_steps"] == 0 and c["native_detok"] == (0 if OUR_KW else len(child_ids)), c
-    return statistics.median(times[5:])
+        for k in ((0, 1) if s % 2 == 0 else (1, 0)):
+            op, collectors, child_ids = sides[k]
+            times[k].append(timed_step(op, step_outputs(child_ids, ids, offs, s)))
+            if (s + 1) % DRAIN_EVERY == 0:
+                for q in collectors:
+                    q.get_nowait()
+    c = sides[1][0].counters()  # every request ran the fast loop, with the detokenizer asked for
+    assert c["fallback_steps"] == 0 and c["native_detok"] == (0 if OUR_KW else len(sides[1][2])), c
+    return times[0][5:], times[1][5:]
 
 
 def rss_mib() -> float:
@@ -197,13 +210,16 @@ def main() -> None:
         cfg = VARIANTS[variant]
         for b in batches:
             steps = 12 if args.quick else (60 if b < 4096 else 25)
-            # Alternate the two so load changes on this shared machine hit both.
-            pairs = [
-                (run(StockOP, tok, ids, b, steps, **cfg), run(OurOP, tok, ids, b, steps, **cfg))
-                for _ in range(1 if args.quick else args.repeat)
-            ]
-            stock = statistics.median(p[0] for p in pairs)
-            ours = statistics.median(p[1] for p in pairs)
+            stock_t: list[float] = []
+            ours_t: list[float] = []
+            for _ in range(1 if args.quick else args.repeat):
+                st, ot = run_pair(tok, ids, b, steps, **cfg)
+                stock_t += st
+                ours_t += ot
+            stock = statistics.median(stock_t)
+            ours = statistics.median(ours_t)
+            # Step-paired ratios: both sides of a pair ran within milliseconds.
+            paired = sorted(a / o for a, o in zip(stock_t, ours_t, strict=True))
             row = {
                 "variant": variant,
                 "batch": b,
@@ -211,7 +227,8 @@ def main() -> None:
                 "drain_every": DRAIN_EVERY,
                 "stock_us": round(stock * 1e6 / b, 3),
                 "ours_us": round(ours * 1e6 / b, 3),
-                "ratio": round(stock / ours, 2),
+                "ratio": round(statistics.median(paired), 2),
+                "ratio_p10_p90": [round(paired[len(paired) // 10], 2), round(paired[-1 - len(paired) // 10], 2)],
             }
             rows.append(row)
             print(f"{variant:8s} {b:6d} {row['stock_us']:9.2f} {row['ours_us']:9.2f} {row['ratio']:6.2f}")
