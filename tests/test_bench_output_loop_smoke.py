@@ -1,0 +1,40 @@
+"""`make bench-py`'s harness at a small size, for real (stock's and our OutputProcessor):
+the two take turns step by step, every row is there and sane. No timed assertions."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benches"))
+
+import bench_output_loop  # noqa: E402
+
+
+def test_run_pair_times_both_sides_every_step(tiny_tokenizer) -> None:
+    ids = tiny_tokenizer.encode(bench_output_loop.TEXT, add_special_tokens=False)
+    for cfg in bench_output_loop.VARIANTS.values():
+        stock, ours = bench_output_loop.run_pair(tiny_tokenizer, ids, 8, 12, **cfg)
+        # The first 5 steps are warm-up; one time per processor per later step.
+        assert len(stock) == len(ours) == 7
+        assert all(t > 0 for t in stock + ours)
+
+
+def test_rows_carry_paired_ratio_and_spread(tiny_model_path: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "bench_output_loop.py"), "--quick", "--tokenizer",
+         tiny_model_path, "--batches", "4,16", "--log-stats"],
+        capture_output=True, text=True, timeout=600, check=True)
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    rows = [r for r in lines if "ratio" in r]
+    assert {(r["variant"], r["batch"]) for r in rows} == {
+        (v, b) for v in bench_output_loop.VARIANTS for b in (4, 16)}
+    for r in rows:
+        assert r["log_stats"] is True and r["stock_us"] > 0 and r["ours_us"] > 0
+        lo, hi = r["ratio_p10_p90"]
+        assert 0 < lo <= r["ratio"] <= hi
+    rss = [r for r in lines if "rss_mib_after" in r]
+    assert len(rss) == 1 and rss[0]["request_steps"] == 100_000
