@@ -126,9 +126,8 @@ def run_pair(
     """Seconds per process_outputs call of stock and ours, step by step (after warm-up).
 
     The two processors take turns every step (who goes first alternates), so both see
-    the same machine: this VM's CPU speed drifts by up to about 1.8x within seconds (a
-    fixed pure-Python loop here takes 0.20-0.36 s), which made runs seconds apart
-    disagree by as much."""
+    the same machine: this VM's CPU speed drifts by up to about 2x within seconds
+    (tools/cpu_drift.py), which made runs seconds apart disagree by as much."""
     sides = [_setup(cls, tok, ids, batch, stop, n) for cls in (StockOP, OurOP)]
     rng = random.Random(0)
     offs = [rng.randrange(len(ids)) for _ in sides[0][2]]
@@ -181,7 +180,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--log-stats", action="store_true", help="both processors with log_stats=True and IterationStats")
-    ap.add_argument("--repeat", type=int, default=3, help="alternating stock/ours runs per row (median)")
+    ap.add_argument("--repeat", type=int, default=3, help="paired stock/ours runs per row (their steps pooled)")
     ap.add_argument("--drain-every", type=int, default=1,
                     help="take the collectors' outputs every K steps (K > 1: outputs are merged)")
     args = ap.parse_args()
