@@ -1,8 +1,8 @@
 """Helpers for the end-to-end tests: real `vllm serve` processes (through our
 launcher, so the plugin loads in every process) over real HTTP.
 
-Each test module starts its server configuration once (module- or class-scoped
-fixtures); a start costs about 40 s on the 2-core machine."""
+A configuration several modules use is started once per session (conftest.py), the
+others once per module; a start costs about a minute on the 2-core machine."""
 
 from __future__ import annotations
 
@@ -32,9 +32,13 @@ RETRY_LINE = "vllm-mmretry: retrying"  # python/vllm_mmretry/retry.py
 MAX_TOKENS = 8
 
 
+# Start-up takes ~50 s alone, minutes on a busy 2-core machine.
+START_TIMEOUT_S = 900.0
+
+
 def start_server(model: str, *args: str, env: dict[str, str]) -> Iterator[servers.Server]:
     """Generator body for a server fixture: yields a running server, always stops it."""
-    with servers.serve(model, *args, env=env) as server:
+    with servers.serve(model, *args, env=env, timeout=START_TIMEOUT_S) as server:
         yield server
 
 

@@ -45,13 +45,6 @@ def _answers(server: servers.Server, model: str, rgb: tuple[int, int, int], time
 
 
 @pytest.fixture(scope="class")
-def two_api_servers(model: str) -> Iterator[servers.Server]:
-    # --enable-log-requests: "Added request" lines carry the API server's tag.
-    yield from start_server(model, "--api-server-count", "2", "--enable-log-requests",
-                            env=FAULTS)
-
-
-@pytest.fixture(scope="class")
 def shm_server(model: str) -> Iterator[servers.Server]:
     yield from start_server(model, "--mm-processor-cache-type", "shm", env=FAULTS)
 

@@ -8,7 +8,6 @@ reach the engine's cache path would show up as a miss and a retry in our log."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,22 +15,14 @@ from e2e_helpers import RETRY_LINE, chat_body, client, image_url, mark, servers
 
 pytestmark = pytest.mark.e2e
 
-# Start-up takes ~40 s alone, minutes on a busy 2-core machine.
-START_TIMEOUT_S = 900.0
-
-FAULTS = {"VLLM_MMRETRY_FAULTS": "p1_miss=every:1"}
+@pytest.fixture(scope="module")
+def ours(plugin_miss_server: servers.Server) -> servers.Server:
+    return plugin_miss_server
 
 
 @pytest.fixture(scope="module")
-def ours(model: str) -> Iterator[servers.Server]:
-    with servers.serve(model, env=FAULTS, timeout=START_TIMEOUT_S) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def stock(model: str) -> Iterator[servers.Server]:
-    with servers.serve(model, env={"VLLM_MMRETRY": "0", **FAULTS}, timeout=START_TIMEOUT_S) as s:
-        yield s
+def stock(stock_miss_server: servers.Server) -> servers.Server:
+    return stock_miss_server
 
 
 def _text_only(model: str, **extra: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -28,7 +28,6 @@ from e2e_helpers import (
     mark,
     metric_families,
     servers,
-    start_server,
 )
 
 pytestmark = pytest.mark.e2e
@@ -77,8 +76,8 @@ def chat(server: servers.Server, body: dict) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def recovering(model: str) -> Iterator[servers.Server]:
-    yield from start_server(model, env={"VLLM_MMRETRY_FAULTS": "p1_miss=every:1"})
+def recovering(plugin_miss_server: servers.Server) -> servers.Server:
+    return plugin_miss_server
 
 
 def test_info_metric_says_native_loop_and_detokenizer_are_on(recovering: servers.Server) -> None:
@@ -122,8 +121,8 @@ def test_logprobs_request_counts_a_native_fallback(recovering: servers.Server,
 
 
 @pytest.fixture(scope="module")
-def failing(model: str) -> Iterator[servers.Server]:
-    yield from start_server(model, env={"VLLM_MMRETRY_FAULTS": "p1_miss=every:1,retry_miss=1"})
+def failing(plugin_retry_miss_server: servers.Server) -> servers.Server:
+    return plugin_retry_miss_server
 
 
 def test_second_failure_moves_misses_and_failed_again(failing: servers.Server,
@@ -139,21 +138,6 @@ def test_second_failure_moves_misses_and_failed_again(failing: servers.Server,
 
 
 # ------------------------------------------------------------ two API servers
-
-
-@pytest.fixture(scope="module")
-def multiproc_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """vLLM makes a temporary PROMETHEUS_MULTIPROC_DIR itself; the test names one so
-    it can look at the per-process files behind the summed answer."""
-    return tmp_path_factory.mktemp("prometheus_multiproc")
-
-
-@pytest.fixture(scope="module")
-def two_api_servers(model: str, multiproc_dir: pathlib.Path) -> Iterator[servers.Server]:
-    # Three Python processes start on two busy cores: a generous timeout.
-    with servers.serve(model, "--api-server-count", "2", timeout=900,
-                       env={"PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir)}) as server:
-        yield server
 
 
 def per_process_fallbacks(multiproc_dir: pathlib.Path, reason: str) -> dict[str, float]:
@@ -173,16 +157,20 @@ def per_process_fallbacks(multiproc_dir: pathlib.Path, reason: str) -> dict[str,
 def test_counts_add_up_across_api_server_processes(
         two_api_servers: servers.Server, multiproc_dir: pathlib.Path, model: str) -> None:
     n = 12
+    before = scrape(two_api_servers).get(fallbacks("logprobs"), 0)
+    before_per_pid = per_process_fallbacks(multiproc_dir, "logprobs")
     body = {"model": model, "max_tokens": 2, "temperature": 0, "logprobs": True,
             "top_logprobs": 1, "messages": [{"role": "user", "content": "hi"}]}
     for _ in range(n):  # fresh connections: the kernel spreads them over both servers
         assert chat(two_api_servers, body).status_code == 200
-    samples = wait_until(two_api_servers, lambda s: s.get(fallbacks("logprobs"), 0) == n)
+    samples = wait_until(two_api_servers,
+                         lambda s: s.get(fallbacks("logprobs"), 0) == before + n)
     # Both API server processes counted some of them...
     per_pid = per_process_fallbacks(multiproc_dir, "logprobs")
-    assert len([c for c in per_pid.values() if c > 0]) == 2, per_pid
-    assert sum(per_pid.values()) == n, per_pid
+    added = {pid: c - before_per_pid.get(pid, 0.0) for pid, c in per_pid.items()}
+    assert len([c for c in added.values() if c > 0]) == 2, (added, before_per_pid)
+    assert sum(added.values()) == n, added
     # ...and every scrape, whichever process answers it, reports the sum.
     for _ in range(6):
-        assert scrape(two_api_servers).get(fallbacks("logprobs"), 0) == n
+        assert scrape(two_api_servers).get(fallbacks("logprobs"), 0) == before + n
     assert len(info_labels(samples)) == 1, info_labels(samples)

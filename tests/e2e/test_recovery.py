@@ -7,8 +7,6 @@ vLLM's real MultiModalCacheMissError."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from e2e_helpers import (
@@ -21,7 +19,6 @@ from e2e_helpers import (
     image_url,
     mark,
     servers,
-    start_server,
     stream_chat,
     streamed_text,
 )
@@ -32,8 +29,8 @@ MAX_OUT = 8
 
 
 @pytest.fixture(scope="module")
-def server(model: str) -> Iterator[servers.Server]:
-    yield from start_server(model, env={"VLLM_MMRETRY_FAULTS": "p1_miss=every:1"})
+def server(plugin_miss_server: servers.Server) -> servers.Server:
+    return plugin_miss_server
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ client gets a retryable error, and the server keeps serving."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from e2e_helpers import (
     ENGINE_MISS,
@@ -17,7 +15,6 @@ from e2e_helpers import (
     image_url,
     mark,
     servers,
-    start_server,
     stream_chat,
     streamed_text,
 )
@@ -28,8 +25,8 @@ RESEND_FAIL = "vllm-mmretry fault: failing the data-carrying re-send"
 
 
 @pytest.fixture(scope="module")
-def server(model: str) -> Iterator[servers.Server]:
-    yield from start_server(model, env={"VLLM_MMRETRY_FAULTS": "p1_miss=every:1,retry_miss=1"})
+def server(plugin_retry_miss_server: servers.Server) -> servers.Server:
+    return plugin_retry_miss_server
 
 
 def test_chat_gives_503_with_retry_after_then_recovers(server: servers.Server, model: str) -> None:

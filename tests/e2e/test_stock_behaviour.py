@@ -4,8 +4,6 @@ tests can fail, and the measured stock behaviour they compare against."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from e2e_helpers import (
     ENGINE_MISS,
@@ -16,16 +14,14 @@ from e2e_helpers import (
     image_url,
     mark,
     servers,
-    start_server,
 )
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(model: str) -> Iterator[servers.Server]:
-    yield from start_server(model, env={"VLLM_MMRETRY": "0",
-                                        "VLLM_MMRETRY_FAULTS": "p1_miss=every:1"})
+def server(stock_miss_server: servers.Server) -> servers.Server:
+    return stock_miss_server
 
 
 def test_log_says_plugin_off_and_fault_switch_on(server: servers.Server) -> None:

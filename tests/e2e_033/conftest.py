@@ -4,8 +4,10 @@ launcher, the plugin loaded by vLLM's entry point) with vLLM's mock engine behin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
-from e033_helpers import installed_vllm_version, tiny_model
+from e033_helpers import installed_vllm_version, mock_serve, serve, tiny_model
 
 TARGET = "0.33.0"
 
@@ -24,4 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def model() -> str:
     return str(tiny_model.ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def stock_miss_served(model: str) -> Iterator[mock_serve.MockServed]:
+    """Stock 0.33 (the plugin off) with the mock engine forgetting every item it saw:
+    started once for both modules (each test uses images of its own colour). The fault
+    switch also loads in the front end, where it only logs: the API server has no P1
+    receiver cache."""
+    yield from serve(model, env={"VLLM_MMRETRY": "0", "VLLM_MMRETRY_FAULTS": "p1_miss=every:1"})
 

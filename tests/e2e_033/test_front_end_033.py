@@ -22,8 +22,6 @@ from e033_helpers import (
     stream_chat,
 )
 
-MISS_ENV = {"VLLM_MMRETRY_FAULTS": "p1_miss=every:1"}
-
 
 @pytest.fixture(scope="module")
 def plain(model: str) -> Iterator[mock_serve.MockServed]:
@@ -31,10 +29,8 @@ def plain(model: str) -> Iterator[mock_serve.MockServed]:
 
 
 @pytest.fixture(scope="module")
-def stock(model: str) -> Iterator[mock_serve.MockServed]:
-    # The plugin off; the fault switch on in the mock engine (and in the front end,
-    # where it only logs: there is no P1 receiver cache in the API server).
-    yield from serve(model, env={"VLLM_MMRETRY": "0", **MISS_ENV})
+def stock(stock_miss_served: mock_serve.MockServed) -> mock_serve.MockServed:
+    return stock_miss_served
 
 
 def test_chat_over_http_with_the_plugin_loaded(plain: mock_serve.MockServed,

@@ -52,8 +52,8 @@ def plugin_retry_fails(model: str) -> Iterator[mock_serve.MockServed]:
 
 
 @pytest.fixture(scope="module")
-def stock(model: str) -> Iterator[mock_serve.MockServed]:
-    yield from serve(model, env={"VLLM_MMRETRY": "0", **MISS_ENV})
+def stock(stock_miss_served: mock_serve.MockServed) -> mock_serve.MockServed:
+    return stock_miss_served
 
 
 def _miss_then(served: mock_serve.MockServed, body: dict, *, stream: bool):
