@@ -153,12 +153,10 @@ def rss_mib() -> float:
 def rss_run(tok: Any, ids: list[int], request_steps: int, batch: int = 1024) -> tuple[float, float]:
     """RSS after a warm-up of 50 steps, and after `request_steps` more."""
     op, collectors, child_ids = _setup(OurOP, tok, ids, batch, None, 1)
+    offs = list(range(len(child_ids)))
 
     def step(s: int) -> None:
-        outs = [
-            EngineCoreOutput(request_id=cid, new_token_ids=[ids[(i + s) % len(ids)]]) for i, cid in enumerate(child_ids)
-        ]
-        op.process_outputs(outs)
+        op.process_outputs(step_outputs(child_ids, ids, offs, s))
         for q in collectors:
             q.get_nowait()
 
