@@ -180,6 +180,20 @@ def test_the_adapter_knows_this_vllm_output_task() -> None:
     assert getattr(seam.owner, seam.method) is not None
 
 
+def test_the_seam_is_vllms_task_while_receive_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process where the plugin already wraps the starter (vLLM loaded the plugin,
+    then doctor or a test asks), the adapter still checks vLLM's own starter."""
+    owner, name = AsyncMPClient, "_ensure_output_queue_task"
+    if not _patching.is_patched(owner, name):
+        start = vllm_start()
+        wrapped = receive._starting_ready_first(start, lambda client: None)
+        monkeypatch.setitem(_patching._originals, (owner, name), start)
+        monkeypatch.setattr(owner, name, wrapped)
+    assert getattr(owner, name) is not vllm_start()
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam), seam
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bursts=stream_st, dead=st.booleans())
 def test_ready_first_queues_what_stock_queues(bursts: list[list[Any]], dead: bool) -> None:

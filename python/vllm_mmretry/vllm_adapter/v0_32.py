@@ -36,7 +36,7 @@ from vllm.v1.engine.output_processor import (
 from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, LoRARequestStates, RequestStateStats
 
-from vllm_mmretry import _core
+from vllm_mmretry import _core, _patching
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter.base import (
     CO_FILLED,
@@ -889,7 +889,8 @@ class Adapter(VllmAdapter):
     def receive_seam(self) -> ReceiveSeam | str:
         from vllm.v1.engine.core_client import AsyncMPClient
 
-        why = _check_output_task(AsyncMPClient._ensure_output_queue_task)
+        # vLLM's own starter, even where install() has already wrapped it.
+        why = _check_output_task(_patching.original(AsyncMPClient, "_ensure_output_queue_task"))
         if why is not None:
             return why
         return ReceiveSeam(AsyncMPClient, "_ensure_output_queue_task", _unstarted_output_socket)
