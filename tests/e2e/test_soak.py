@@ -28,12 +28,9 @@ from collections.abc import Callable, Iterator
 import httpx
 import psutil
 import pytest
-from e2e_helpers import ENGINE_MISS, RETRY_LINE, chat_body, image_url, servers
+from e2e_helpers import ENGINE_MISS, RETRY_LINE, chat_body, image_url, servers, start_server
 
 pytestmark = pytest.mark.e2e
-
-# Start-up takes ~40 s alone, minutes on a busy 2-core machine.
-START_TIMEOUT_S = 900.0
 
 REQUESTS = int(os.environ.get("SOAK_REQUESTS", "200"))
 SEED = int(os.environ.get("SOAK_SEED", "7"))
@@ -50,8 +47,7 @@ EXHAUSTED_LINE = "vllm-mmretry: retry budget exhausted"
 @pytest.fixture(scope="module")
 def server(model: str) -> Iterator[servers.Server]:
     env = {"VLLM_MMRETRY_FAULTS": f"p1_miss=prob:0.1:seed:{SEED}"}
-    with servers.serve(model, env=env, timeout=START_TIMEOUT_S) as s:
-        yield s
+    yield from start_server(model, env=env)
 
 
 def _processes(server: servers.Server) -> dict[str, psutil.Process]:
