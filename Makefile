@@ -58,8 +58,12 @@ test-rust: vocabs
 
 # The served-speed smoke test needs the mock engine and vllm-rs: require them, so it
 # cannot skip silently here.
+# Two pytest workers (pytest-xdist): the server tests on one, the rest on the other
+# (tests/conftest.py, pytest_xdist_make_scheduler).
+XDIST := -n 2
+
 test-py: setup mock-engine
-	VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=30 tests
+	VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=30 tests
 
 # The edit-test loop: every test that starts no server and builds nothing big
 # (markers e2e and slow, see pyproject.toml), with the slowest ones listed.
@@ -155,4 +159,4 @@ $(MOCK)/vllm-rs: $(STAMP033)/vllm
 # or whose subject does not exist on 0.33 yet skip themselves there (see tests/conftest.py).
 test-033: setup-033 mock-engine
 	$(VPY033) tools/tiny_model.py >/dev/null
-	$(VPY033) -m pytest -q -p no:cacheprovider tests --ignore=tests/e2e
+	$(VPY033) -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 tests --ignore=tests/e2e

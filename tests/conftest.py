@@ -105,3 +105,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=(
                 f"tests the plugin inside {name}, which the installed vllm_mmretry does "
                 "not support yet (register() patches nothing): needs its adapter")))
+
+
+# --- Two workers (make test-py / test-033 run pytest-xdist with -n 2) ---
+# Every test that starts servers (tests/e2e/, tests/e2e_033/) goes to one worker as one
+# unit, so each session-scoped server starts once; every other file is a unit of its own.
+# (xdist's `loadgroup` marker would do this, but pytest 9 ignores the node ids it rewrites.)
+SERVER_DIRS = ("tests/e2e/", "tests/e2e_033/")
+
+
+def _work_unit(nodeid: str) -> str:
+    full = nodeid if nodeid.startswith("tests/") else "tests/" + nodeid
+    return "servers" if full.startswith(SERVER_DIRS) else full.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServersTogether(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return ServersTogether(config, log)
