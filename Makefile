@@ -56,12 +56,12 @@ vocabs: setup
 test-rust: vocabs
 	VLLM_MMRETRY_REQUIRE_VOCABS=1 cargo test --release --lib --quiet
 
-# The served-speed smoke test needs the mock engine and vllm-rs: require them, so it
-# cannot skip silently here.
 # Two pytest workers (pytest-xdist): the server tests on one, the rest on the other
 # (tests/conftest.py, pytest_xdist_make_scheduler).
 XDIST := -n 2
 
+# The served-speed smoke test needs the mock engine and vllm-rs: require them, so it
+# cannot skip silently here.
 test-py: setup mock-engine
 	VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=30 tests
 
