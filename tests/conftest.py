@@ -42,6 +42,7 @@ def tiny_tokenizer(tiny_model_path: str):
 REAL_ENGINE = (
     "tests/e2e/",
     "tests/test_offline_llm.py",
+    "tests/test_wire_decode.py::test_recorded_engine_messages_decode_as_vllm_decodes",
     # In-process API server over vLLM's real engine (tests/retry_support.py); on 0.33
     # the serving retry is shown over HTTP by tests/e2e_033 (mock engine).
     "tests/test_retry_generate.py",

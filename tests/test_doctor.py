@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from vllm_mmretry import vllm_adapter
 from vllm_mmretry.vllm_adapter import installed_vllm_version
 
 PY = sys.executable
@@ -56,7 +57,8 @@ def test_tiny_model_text_report(tiny_model_path: str) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1] == "vllm-mmretry doctor: all is well"
     by_name = {line.split()[2]: line for line in lines[:-1]}
-    assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "tokenizer", "mm_cache"}
+    assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "native_decode", "tokenizer",
+                            "mm_cache"}
     assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
     assert f"vLLM {installed_vllm_version()} is supported" in by_name["vllm"]
     assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
@@ -140,3 +142,17 @@ def test_receive_check_says_when_it_is_off(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(receive.ENV_SWITCH, "0")
     check = doctor.check_receive()
     assert check.status == "warn" and receive.ENV_SWITCH in check.summary
+
+
+def test_native_decode_check_follows_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmretry import doctor, receive
+
+    monkeypatch.delenv(receive.DECODE_SWITCH, raising=False)
+    check = doctor.check_native_decode()
+    assert check.status == "ok" and check.summary.startswith("off")
+    monkeypatch.setenv(receive.DECODE_SWITCH, "1")
+    check = doctor.check_native_decode()
+    assert check.status == "ok" and "decoded natively" in check.summary
+    monkeypatch.setattr(type(vllm_adapter.get()), "outputs_wire", lambda self: "a new field")
+    check = doctor.check_native_decode()
+    assert check.status == "warn" and "a new field" in check.summary

@@ -13,10 +13,10 @@ import asyncio
 import itertools
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from engine_outputs_support import canon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
@@ -92,10 +92,10 @@ class Wire:
 
 
 def as_tuple(item: Any) -> Any:
-    """A queue item in comparable form (msgspec structs field by field)."""
+    """A queue item in comparable form (every field, with its type)."""
     if isinstance(item, BaseException):
         return ("raised", type(item).__name__)
-    return msgspec.to_builtins(item, builtin_types=(bytes,), str_keys=True)
+    return canon(item)
 
 
 output_st = st.builds(
@@ -128,8 +128,11 @@ message_st = st.one_of(
 stream_st = st.lists(st.lists(message_st, min_size=1, max_size=6), min_size=1, max_size=5)
 
 
-async def run_stream(ready_first: bool, bursts: list[list[Any]], dead: bool) -> dict[str, Any]:
+async def run_stream(ready_first: bool, bursts: list[list[Any]], dead: bool,
+                     native_decode: bool = False) -> dict[str, Any]:
     wire = Wire(ready_first)
+    if native_decode:
+        wire.client.decoder = receive.NativeOutputsDecoder(wire.client.decoder, reader())
     try:
         wire.start(vllm_start())
         utilities: list[asyncio.Future[Any]] = []
@@ -160,7 +163,8 @@ async def run_stream(ready_first: bool, bursts: list[list[Any]], dead: bool) -> 
         results = [("raised", str(f.exception())) if f.exception() else ("result", f.result())
                    for f in utilities]
         return {"queued": queued, "utilities": results, "waits": wire.waits,
-                "engine_dead": wire.client.resources.engine_dead}
+                "engine_dead": wire.client.resources.engine_dead,
+                "native": getattr(wire.client.decoder, "native", None)}
     finally:
         wire.close()
 
@@ -172,6 +176,40 @@ async def drained(wire: Wire) -> None:
         await asyncio.sleep(0)
     for _ in range(3):
         await asyncio.sleep(0)
+
+
+def reader() -> Any:
+    r = receive.native_reader()
+    assert r is not None
+    return r
+
+
+def seam_for(start: Any) -> ReceiveSeam:
+    return ReceiveSeam(AsyncMPClient, start.__name__, lambda client: None)
+
+
+def test_the_installed_starter_gives_the_task_the_native_decoder() -> None:
+    """Once, before the task starts; the task then decodes with it."""
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam)
+    start = receive._starting_task(vllm_start(), seam, ready_first=False, reader=reader())
+
+    async def go() -> tuple[Any, Any, int]:
+        wire = Wire(ready_first=False)
+        try:
+            vllms = wire.client.decoder
+            start(wire.client)
+            ours = wire.client.decoder
+            start(wire.client)
+            assert wire.client.decoder is ours
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+            await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            return vllms, ours, ours.native
+        finally:
+            wire.close()
+
+    vllms, ours, native = asyncio.run(go())
+    assert isinstance(ours, receive.NativeOutputsDecoder) and ours.inner is vllms and native == 1
 
 
 def test_the_adapter_knows_this_vllm_output_task() -> None:
@@ -186,7 +224,7 @@ def test_the_seam_is_vllms_task_while_receive_is_installed(monkeypatch: pytest.M
     owner, name = AsyncMPClient, "_ensure_output_queue_task"
     if not _patching.is_patched(owner, name):
         start = vllm_start()
-        wrapped = receive._starting_ready_first(start, lambda client: None)
+        wrapped = receive._starting_task(start, seam_for(start), ready_first=True, reader=None)
         monkeypatch.setitem(_patching._originals, (owner, name), start)
         monkeypatch.setattr(owner, name, wrapped)
     assert getattr(owner, name) is not vllm_start()
@@ -197,10 +235,15 @@ def test_the_seam_is_vllms_task_while_receive_is_installed(monkeypatch: pytest.M
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bursts=stream_st, dead=st.booleans())
 def test_ready_first_queues_what_stock_queues(bursts: list[list[Any]], dead: bool) -> None:
+    """Ready-first receive, alone and with the native decoder, against stock."""
     stock = asyncio.run(run_stream(False, bursts, dead))
     ours = asyncio.run(run_stream(True, bursts, dead))
-    assert {k: v for k, v in ours.items() if k != "waits"} == \
-        {k: v for k, v in stock.items() if k != "waits"}
+    native = asyncio.run(run_stream(True, bursts, dead, native_decode=True))
+    same = {"queued", "utilities", "engine_dead"}
+    assert {k: ours[k] for k in same} == {k: stock[k] for k in same}
+    assert {k: native[k] for k in same} == {k: stock[k] for k in same}
+    if not dead:
+        assert native["native"] >= 1  # at least the closing message was read natively
     assert stock["engine_dead"] is dead
     if dead:
         assert stock["queued"][-1] == ("raised", "EngineDeadError")
@@ -222,7 +265,7 @@ def test_the_installed_starter_makes_the_socket_ready_first() -> None:
     socket once, before the task starts, and never a started client's socket."""
     seam = adapter().receive_seam()
     assert isinstance(seam, ReceiveSeam)
-    start = receive._starting_ready_first(vllm_start(), seam.output_socket)
+    start = receive._starting_task(vllm_start(), seam, ready_first=True, reader=None)
 
     async def go() -> tuple[bool, bool, Any]:
         wire = Wire(ready_first=False)
@@ -250,8 +293,9 @@ def test_a_started_task_is_left_alone() -> None:
         wire = Wire(ready_first=False)
         try:
             vllm_start()(wire.client)
-            receive._starting_ready_first(vllm_start(), seam.output_socket)(wire.client)
-            return receive.is_ready_first(wire.pull)
+            before = wire.client.decoder
+            receive._starting_task(vllm_start(), seam, ready_first=True, reader=reader())(wire.client)
+            return receive.is_ready_first(wire.pull) or wire.client.decoder is not before
         finally:
             wire.close()
 
@@ -284,9 +328,10 @@ def _starts_nothing(self: Any) -> None:
 def _reads_with_recv(self: Any) -> None:
     resources = self.resources
     output_socket = resources.output_socket
+    decoder = self.decoder
     if resources.output_queue_task is None:
         async def process_outputs_socket() -> None:
-            await output_socket.recv(copy=False)
+            decoder.decode(await output_socket.recv(copy=False))
 
         resources.output_queue_task = process_outputs_socket
 

@@ -5,11 +5,12 @@ __all__ = [
     "NativeDetokenizer",
     "NativeVocab",
     "OutputCore",
+    "OutputsReader",
     "__version__",
     "native_detok_fallback_reason",
 ]
 
-from vllm_mmretry.vllm_adapter.base import CoreSpec, FastSpec
+from vllm_mmretry.vllm_adapter.base import CoreSpec, FastSpec, OutputsWire
 
 __version__: str
 
@@ -115,3 +116,13 @@ class NativeDetokenizer:
     def num_output_tokens(self) -> int: ...
 
 def native_detok_fallback_reason(stop: list[str] | None = None) -> str | None: ...
+
+@final
+class OutputsReader:
+    """Reads the common engine-output message into vLLM's EngineCoreOutputs (wire.rs)."""
+
+    # The kind given to each EngineCoreOutput field, in declaration order.
+    output_kinds: list[str]
+    def __new__(cls, schema: OutputsWire) -> OutputsReader: ...
+    # None when the message is not of the common shape (vLLM's decoder then reads it).
+    def read(self, frame: Any) -> Any | None: ...

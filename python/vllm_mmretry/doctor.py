@@ -3,7 +3,7 @@
 Answers, for this environment and the given `vllm serve` arguments: is the installed
 vLLM supported; will vLLM load the plugin (entry point, VLLM_PLUGINS, VLLM_MMRETRY);
 does the native core match the installed package; will engine outputs be received
-ready-first (receive.py); does the model's tokenizer run
+ready-first and decoded natively (receive.py); does the model's tokenizer run
 on the native detokenizer (and if not, why); which multimodal processor cache
 layout `vllm serve` would build, and whether P0/P1 drift can happen in it.
 
@@ -136,6 +136,25 @@ def check_receive() -> Check:
                  f"({seam.owner.__name__}.{seam.method})")
 
 
+def check_native_decode() -> Check:
+    """Whether engine-output messages are decoded natively (opt-in, receive.py)."""
+    from vllm_mmretry import receive
+
+    if not receive.native_decode_enabled():
+        # Off is the default and a complete configuration, so it is not a warning.
+        return Check("native_decode", OK, f"off, the default ({receive.DECODE_SWITCH}=1 turns it "
+                     "on): engine outputs are decoded by vLLM's MsgpackDecoder")
+    found = vllm_adapter.get()
+    if found is None:
+        return Check("native_decode", SKIP, "needs a supported vLLM")
+    wire = found.outputs_wire()
+    if isinstance(wire, str):
+        return Check("native_decode", WARN, f"{receive.DECODE_SWITCH}=1, but this vLLM's engine-output "
+                     f"messages are not the layout the reader knows ({wire}): vLLM's decoder runs")
+    return Check("native_decode", OK, "common engine-output messages are decoded natively, "
+                 "the others by vLLM's MsgpackDecoder")
+
+
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
     if target is None:
         return Check("tokenizer", SKIP, "no model or folder given")
@@ -232,6 +251,7 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
             checks.append(Check("mm_cache", SKIP, "needs a supported vLLM"))
         return checks
     checks.append(check_receive())
+    checks.append(check_native_decode())
     args = None
     if target is not None:
         try:

@@ -13,9 +13,16 @@ otherwise awaits pyzmq's own `recv_multipart`. The task gets the same frames in 
 same order. Scheduling does not change: when a message is waiting pyzmq returns an
 already-completed Future, whose `await` does not yield to the event loop either.
 
-The adapter names the seam (`receive_seam`) and checks that this vLLM's output task
-is the one this was written against; otherwise vLLM's receive is left alone (one
-WARNING). VLLM_MMRETRY_READY_FIRST_RECEIVE=0 leaves it alone too."""
+The same starter gives the task a decoder (`NativeOutputsDecoder`) that reads the
+common engine-output message natively (`_core.OutputsReader`, rust/src/wire.rs:
+request ids, token ids, finish and stop reasons, every other per-request field nil)
+and hands every other message to vLLM's `MsgpackDecoder`, which also decodes the
+top-level fields the reader does not (scheduler stats, utility replies, ...).
+
+The adapter names the seam (`receive_seam`) and the message layout (`outputs_wire`)
+and checks both against this vLLM; otherwise vLLM's receive or decoder is left
+alone (one WARNING). VLLM_MMRETRY_READY_FIRST_RECEIVE=0 leaves the receive alone;
+the native decoder is used only with VLLM_MMRETRY_NATIVE_DECODE=1."""
 
 from __future__ import annotations
 
@@ -27,37 +34,97 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from vllm_mmretry import _patching
+from vllm_mmretry import _core, _patching
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
+from vllm_mmretry.vllm_adapter.base import ReceiveSeam
 
 ENV_SWITCH = "VLLM_MMRETRY_READY_FIRST_RECEIVE"
+DECODE_SWITCH = "VLLM_MMRETRY_NATIVE_DECODE"
 # Set on the replacement, so a socket is never wrapped twice.
 _MARK = "__vllm_mmretry_ready_first__"
 
 
+def _on(switch: str, default: str = "1") -> bool:
+    return os.environ.get(switch, default).strip().lower() not in ("0", "false", "off", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return _on(ENV_SWITCH)
+
+
+def native_decode_enabled() -> bool:
+    # Off unless asked for: building vLLM's objects natively is slower than msgspec
+    # (README, "Native engine-output decoding"); it is the reader a native batch
+    # path would start from.
+    return _on(DECODE_SWITCH, "0")
+
+
+class NativeOutputsDecoder:
+    """vLLM's `MsgpackDecoder(EngineCoreOutputs)`, with the common message read natively.
+
+    A message of more than one frame (tensors), one the reader does not accept, or
+    one whose top-level fields vLLM's decoders reject goes to `inner` whole, so its
+    result or its error is vLLM's own. `native` and `stepped_aside` count both."""
+
+    def __init__(self, inner: Any, reader: _core.OutputsReader) -> None:
+        self.inner = inner
+        self.reader = reader
+        self.native = 0
+        self.stepped_aside = 0
+
+    def decode(self, bufs: Any) -> Any:
+        frame = bufs if isinstance(bufs, (bytes, bytearray, memoryview)) else (
+            bufs[0] if len(bufs) == 1 else None)
+        if frame is not None:
+            try:
+                out = self.reader.read(frame)
+            except Exception:  # noqa: BLE001 - vLLM's decoder gives this message its answer
+                out = None
+            if out is not None:
+                self.native += 1
+                return out
+        self.stepped_aside += 1
+        return self.inner.decode(bufs)
+
+
+def native_reader() -> _core.OutputsReader | None:
+    """The reader for this vLLM's messages; None (one WARNING) when its layout is unknown."""
+    wire = adapter().outputs_wire()
+    if isinstance(wire, str):
+        vllm_logger("vllm.vllm_mmretry.receive").warning(
+            "vllm-mmretry: engine outputs are decoded by vLLM's decoder (%s)", wire)
+        return None
+    return _core.OutputsReader(wire)
 
 
 def install() -> list[str]:
     """Patch the adapter's output-task starter; [] when off or on an unknown task."""
-    if not enabled():
+    ready_first, native_decode = enabled(), native_decode_enabled()
+    if not (ready_first or native_decode):
         return []
     seam = adapter().receive_seam()
     if isinstance(seam, str):
         vllm_logger("vllm.vllm_mmretry.receive").warning(
             "vllm-mmretry: engine outputs are received as vLLM does (%s)", seam)
         return []
+    reader = native_reader() if native_decode else None
     start = getattr(seam.owner, seam.method)
-    return [_patching.patch_attr(seam.owner, seam.method, _starting_ready_first(start, seam.output_socket))]
+    return [_patching.patch_attr(seam.owner, seam.method,
+                                 _starting_task(start, seam, ready_first, reader))]
 
 
-def _starting_ready_first(start: Callable[..., Any], output_socket: Callable[[Any], Any]) -> Any:
+def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bool,
+                   reader: _core.OutputsReader | None) -> Any:
     @functools.wraps(start)
     def start_output_task(client: Any, *args: Any, **kwargs: Any) -> Any:
-        sock = output_socket(client)
-        if isinstance(sock, zmq.asyncio.Socket) and not is_ready_first(sock):
+        sock = seam.output_socket(client)
+        if ready_first and isinstance(sock, zmq.asyncio.Socket) and not is_ready_first(sock):
             make_ready_first(sock)
+        # Only before the task starts: it takes the client's decoder once, then.
+        if reader is not None and sock is not None:
+            inner = getattr(client, seam.decoder)
+            if not isinstance(inner, NativeOutputsDecoder):
+                setattr(client, seam.decoder, NativeOutputsDecoder(inner, reader))
         return start(client, *args, **kwargs)
 
     return start_output_task

@@ -7,6 +7,7 @@ pub mod core;
 pub mod detok;
 pub mod eco;
 pub mod table;
+pub mod wire;
 
 /// Version of the compiled core; the Python layer checks it matches its own.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -16,6 +17,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", VERSION)?;
     m.add_class::<core::OutputCore>()?;
     detok::py::register(m)?;
+    wire::py::register(m)?;
     Ok(())
 }
 

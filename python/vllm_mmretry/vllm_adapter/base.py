@@ -255,6 +255,27 @@ class ReceiveSeam:
     owner: type[Any]  # AsyncMPClient
     method: str  # _ensure_output_queue_task
     output_socket: Callable[[Any], Any]
+    # The client attribute holding the decoder the task takes when it starts.
+    decoder: str = "decoder"
+
+
+@dataclass(frozen=True)
+class OutputsWire:
+    """What `_core.OutputsReader` needs to read this vLLM's engine-output messages
+    (rust/src/wire.rs): the two msgspec classes, where `outputs` sits among the
+    top-level fields, what each EngineCoreOutput field may hold, FinishReason
+    members by value, and vLLM's own decoder for every other top-level field."""
+
+    outputs_cls: type[Any]  # EngineCoreOutputs
+    output_cls: type[Any]  # EngineCoreOutput
+    top_fields: int
+    outputs_at: int
+    top_none_default: list[bool]
+    output_fields: list[str]
+    output_kinds: list[str]  # str, int_list, opt_enum, opt_int_or_str, int, nil
+    output_required: int
+    finish_reasons: list[Any]
+    field_decoders: list[Callable[[bytes], Any] | None]
 
 
 @dataclass
@@ -441,6 +462,10 @@ class VllmAdapter(abc.ABC):
     @abc.abstractmethod
     def receive_seam(self) -> ReceiveSeam | str:
         """The seam, or why this vLLM's output task is not the one receive.py knows."""
+
+    @abc.abstractmethod
+    def outputs_wire(self) -> OutputsWire | str:
+        """The engine-output message layout, or why the native reader cannot read it."""
 
     # --- fault switch
     @abc.abstractmethod

@@ -49,6 +49,7 @@ from vllm_mmretry.vllm_adapter.base import (
     NativeDetokSpec,
     ObjectFields,
     OutputFields,
+    OutputsWire,
     PoolingAttempt,
     PoolingResults,
     ReceiveSeam,
@@ -625,10 +626,11 @@ def check_native_merge(native_merge: Callable[..., bool]) -> str | None:
 
 
 # What AsyncMPClient._ensure_output_queue_task is known to do: read
-# `resources.output_socket` and start the nested `process_outputs_socket`, which
-# awaits `output_socket.recv_multipart(...)` in its loop.
+# `resources.output_socket` and `self.decoder` and start the nested
+# `process_outputs_socket`, which awaits `output_socket.recv_multipart(...)` and
+# calls `decoder.decode(frames)` in its loop.
 _OUTPUT_TASK = "process_outputs_socket"
-_OUTPUT_TASK_OUTER_NAMES = frozenset({"resources", "output_socket", "output_queue_task"})
+_OUTPUT_TASK_OUTER_NAMES = frozenset({"resources", "output_socket", "output_queue_task", "decoder"})
 
 
 def _check_output_task(start: Callable[..., Any]) -> str | None:
@@ -645,6 +647,8 @@ def _check_output_task(start: Callable[..., Any]) -> str | None:
     task = tasks[0]
     if "output_socket" not in task.co_freevars or "recv_multipart" not in task.co_names:
         return f"{_OUTPUT_TASK} no longer reads output_socket.recv_multipart"
+    if "decoder" not in task.co_freevars or "decode" not in task.co_names:
+        return f"{_OUTPUT_TASK} no longer calls decoder.decode"
     return None
 
 
@@ -654,6 +658,75 @@ def _unstarted_output_socket(client: Any) -> Any:
     if resources is None or resources.output_queue_task is not None:
         return None
     return resources.output_socket
+
+
+# The EngineCoreOutput fields the native reader reads, by kind, with the annotation
+# that kind was written for; every other field must default to None (read as nil only).
+WIRE_OUTPUT_KINDS: dict[str, tuple[str, Any]] = {
+    "request_id": ("str", str),
+    "new_token_ids": ("int_list", list[int]),
+    "finish_reason": ("opt_enum", FinishReason | None),
+    "stop_reason": ("opt_int_or_str", int | str | None),
+    "num_nans_in_logits": ("int", int),
+}
+
+
+def outputs_wire() -> OutputsWire | str:
+    """The engine-output message layout of the running vLLM, checked against what
+    the native reader was written for."""
+    import typing
+
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    for cls in (EngineCoreOutputs, EngineCoreOutput):
+        cfg = getattr(cls, "__struct_config__", None)
+        if cfg is None or not cfg.array_like or cfg.tag is not None:
+            return f"{cls.__name__} is not an untagged array_like msgspec Struct"
+    try:
+        hints, top_hints = (typing.get_type_hints(c) for c in (EngineCoreOutput, EngineCoreOutputs))
+    except Exception as e:  # noqa: BLE001 - annotations we cannot resolve
+        return f"EngineCoreOutput annotations: {type(e).__name__}: {e}"
+    kinds = _wire_output_kinds(hints)
+    if isinstance(kinds, str):
+        return kinds
+    values = sorted(int(m.value) for m in FinishReason)
+    if values != list(range(len(values))):
+        return f"FinishReason values are not 0..{len(values) - 1}: {values}"
+    top = list(EngineCoreOutputs.__struct_fields__)
+    if len(EngineCoreOutputs.__struct_defaults__) != len(top) or top_hints.get("outputs") != list[EngineCoreOutput]:
+        return "EngineCoreOutputs has a required field or no outputs: list[EngineCoreOutput]"
+    decoders = [None if f == "outputs" else MsgpackDecoder(top_hints[f]).decode for f in top]
+    fields = EngineCoreOutput.__struct_fields__
+    return OutputsWire(
+        outputs_cls=EngineCoreOutputs, output_cls=EngineCoreOutput, top_fields=len(top),
+        outputs_at=top.index("outputs"),
+        top_none_default=[d is None for d in EngineCoreOutputs.__struct_defaults__],
+        output_fields=list(fields), output_kinds=kinds,
+        output_required=len(fields) - len(EngineCoreOutput.__struct_defaults__),
+        finish_reasons=[FinishReason(v) for v in values], field_decoders=decoders)
+
+
+def _wire_output_kinds(hints: dict[str, Any]) -> list[str] | str:
+    fields = EngineCoreOutput.__struct_fields__
+    defaults = EngineCoreOutput.__struct_defaults__
+    required = len(fields) - len(defaults)
+    kinds = []
+    for i, f in enumerate(fields):
+        known = WIRE_OUTPUT_KINDS.get(f)
+        if known is not None:
+            if hints[f] != known[1]:
+                return f"EngineCoreOutput.{f} is {hints[f]}, not {known[1]}"
+            # The reader leaves out an int equal to 0 and a nil: their defaults must be so.
+            want_default = {"int": 0, "opt_enum": None, "opt_int_or_str": None}.get(known[0])
+            if i >= required and defaults[i - required] != want_default:
+                return f"EngineCoreOutput.{f} defaults to {defaults[i - required]!r}"
+            kinds.append(known[0])
+        elif i >= required and defaults[i - required] is None:
+            kinds.append("nil")
+        else:
+            return f"EngineCoreOutput.{f} is neither read nor None by default"
+    return kinds
 
 
 def check_finish_reasons() -> str | None:
@@ -894,6 +967,9 @@ class Adapter(VllmAdapter):
         if why is not None:
             return why
         return ReceiveSeam(AsyncMPClient, "_ensure_output_queue_task", _unstarted_output_socket)
+
+    def outputs_wire(self) -> OutputsWire | str:
+        return outputs_wire()
 
     # --- fault switch -------------------------------------------------------
     def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]:

@@ -68,7 +68,7 @@ fn detok_err(e: DetokError) -> PyErr {
 
 /// Runs Rust code so that a bug there (a panic) becomes a Python exception for
 /// this call instead of unwinding through the interpreter.
-fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
+pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> PyResult<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
         pyo3::exceptions::PyRuntimeError::new_err(format!(
             "vllm_mmretry core failed in {what}: {}",
