@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
-from engine_outputs_support import canon
+from engine_outputs_support import canon, reader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
@@ -176,12 +176,6 @@ async def drained(wire: Wire) -> None:
         await asyncio.sleep(0)
     for _ in range(3):
         await asyncio.sleep(0)
-
-
-def reader() -> Any:
-    r = receive.native_reader()
-    assert r is not None
-    return r
 
 
 def seam_for(start: Any) -> ReceiveSeam:

@@ -9,20 +9,16 @@ and from a real engine (`test_recorded_engine_messages_decode_as_vllm_decodes`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
-from engine_outputs_support import canon
+from engine_outputs_support import decode_both, reader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.engine import (
@@ -34,10 +30,9 @@ from vllm.v1.engine import (
     UtilityOutput,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
+from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult
 
 from vllm_mmretry import _core
-from vllm_mmretry.receive import NativeOutputsDecoder, native_reader
 
 I64 = st.integers(-(2**63), 2**64 - 1)
 
@@ -82,41 +77,6 @@ outputs_st = st.builds(
     wave_complete=st.none() | st.integers(0, 5),
     start_wave=st.none() | st.integers(0, 5),
 )
-
-
-def reader() -> _core.OutputsReader:
-    r = native_reader()
-    assert r is not None, "this vLLM's message layout is not the one the reader knows"
-    return r
-
-
-def outcome(decode: Any, frames: Any) -> tuple[Any, ...]:
-    """What decoding gave, comparable in full (`canon`) and the object itself, or the
-    exception's type and message."""
-    try:
-        v = decode(frames)
-    except Exception as e:  # noqa: BLE001 - the exception is the answer compared
-        return ("raised", type(e).__name__, str(e))
-    return ("decoded", canon(v), v)
-
-
-def decode_both(frames: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], NativeOutputsDecoder]:
-    """vLLM's answer and ours. The clock is stopped: a message without a timestamp gets
-    `time.monotonic()` from EngineCoreOutputs.__post_init__, on either side."""
-    ours = NativeOutputsDecoder(MsgpackDecoder(EngineCoreOutputs), reader())
-    with stopped_clock():
-        return (outcome(MsgpackDecoder(EngineCoreOutputs).decode, frames),
-                outcome(ours.decode, frames), ours)
-
-
-@contextlib.contextmanager
-def stopped_clock() -> Iterator[None]:
-    monotonic = time.monotonic
-    time.monotonic = lambda: 12345.0
-    try:
-        yield
-    finally:
-        time.monotonic = monotonic
 
 
 def test_the_adapter_gives_the_layout_of_this_vllm() -> None:
