@@ -153,6 +153,7 @@ def test_native_decode_check_follows_its_switch(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(receive.DECODE_SWITCH, "1")
     check = doctor.check_native_decode()
     assert check.status == "ok" and "decoded natively" in check.summary
-    monkeypatch.setattr(type(vllm_adapter.get()), "outputs_wire", lambda self: "a new field")
-    check = doctor.check_native_decode()
-    assert check.status == "warn" and "a new field" in check.summary
+    for seam in ("outputs_wire", "receive_seam"):
+        monkeypatch.setattr(type(vllm_adapter.get()), seam, lambda self, s=seam: f"a new {s}")
+        check = doctor.check_native_decode()
+        assert check.status == "warn" and f"a new {seam}" in check.summary

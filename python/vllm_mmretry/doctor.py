@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,6 +119,18 @@ def check_native_core() -> Check:
     return Check("native_core", OK, f"native core {core} matches the package", details)
 
 
+def _adapter_answer(name: str, ask: Callable[[Any], Any], unknown: str) -> Any:
+    """The adapter's answer to `ask`, or the check saying there is none (`unknown`
+    formatted with the adapter's reason)."""
+    found = vllm_adapter.get()
+    if found is None:
+        return Check(name, SKIP, "needs a supported vLLM")
+    answer = ask(found)
+    if isinstance(answer, str):
+        return Check(name, WARN, unknown.format(answer))
+    return answer
+
+
 def check_receive() -> Check:
     """Whether the API server will receive engine outputs ready-first (receive.py)."""
     from vllm_mmretry import receive
@@ -125,13 +138,10 @@ def check_receive() -> Check:
     if not receive.enabled():
         return Check("receive", WARN, f"{receive.ENV_SWITCH}=0: engine outputs are received "
                      "as vLLM does (pyzmq's Future per message; slower under load)")
-    found = vllm_adapter.get()
-    if found is None:
-        return Check("receive", SKIP, "needs a supported vLLM")
-    seam = found.receive_seam()
-    if isinstance(seam, str):
-        return Check("receive", WARN, "vLLM's engine-output task is not the one the plugin "
-                     f"knows ({seam}): outputs are received as vLLM does")
+    seam = _adapter_answer("receive", lambda a: a.receive_seam(), "vLLM's engine-output task is "
+                           "not the one the plugin knows ({}): outputs are received as vLLM does")
+    if isinstance(seam, Check):
+        return seam
     return Check("receive", OK, "engine outputs are received ready-first "
                  f"({seam.owner.__name__}.{seam.method})")
 
@@ -144,13 +154,14 @@ def check_native_decode() -> Check:
         # Off is the default and a complete configuration, so it is not a warning.
         return Check("native_decode", OK, f"off, the default ({receive.DECODE_SWITCH}=1 turns it "
                      "on): engine outputs are decoded by vLLM's MsgpackDecoder")
-    found = vllm_adapter.get()
-    if found is None:
-        return Check("native_decode", SKIP, "needs a supported vLLM")
-    wire = found.outputs_wire()
-    if isinstance(wire, str):
-        return Check("native_decode", WARN, f"{receive.DECODE_SWITCH}=1, but this vLLM's engine-output "
-                     f"messages are not the layout the reader knows ({wire}): vLLM's decoder runs")
+    # The decoder is handed over where the output task starts, then read by the layout.
+    for ask, unknown in ((lambda a: a.receive_seam(), "vLLM's engine-output task is not the one "
+                          "the plugin knows ({}): vLLM's decoder runs"),
+                         (lambda a: a.outputs_wire(), "this vLLM's engine-output messages are not "
+                          "the layout the reader knows ({}): vLLM's decoder runs")):
+        answer = _adapter_answer("native_decode", ask, unknown)
+        if isinstance(answer, Check):
+            return answer
     return Check("native_decode", OK, "common engine-output messages are decoded natively, "
                  "the others by vLLM's MsgpackDecoder")
 

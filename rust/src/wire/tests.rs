@@ -49,6 +49,12 @@ fn layout() -> Layout {
     }
 }
 
+/// A message with one output, request "r", whose one token id is the raw value `id`.
+fn one_token(id: &[u8]) -> Vec<u8> {
+    let w = W::default().arr(2).int(0).arr(1).arr(2).str("r");
+    w.arr(1).raw(id).0
+}
+
 fn one_output(w: W) -> W {
     w.arr(6)
         .str("r1")
@@ -126,21 +132,9 @@ fn anything_uncommon_is_not_read() {
             .int(-1)
             .0,
         // a float token id
-        W::default()
-            .arr(2)
-            .int(0)
-            .arr(1)
-            .arr(2)
-            .str("r")
-            .arr(1)
-            .raw(&[0xca, 0, 0, 0, 0])
-            .0,
+        one_token(&[0xca, 0, 0, 0, 0]),
         // a uint64 beyond i64
-        {
-            let w = W::default().arr(2).int(0).arr(1).arr(2).str("r").arr(1);
-            w.raw(&[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff])
-                .0
-        },
+        one_token(&[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
         // bad UTF-8 in a request id
         W::default()
             .arr(2)
@@ -197,15 +191,7 @@ fn every_integer_width_reads_as_msgpack_says() {
         ),
     ];
     for (b, want) in ints {
-        let buf = W::default()
-            .arr(2)
-            .int(0)
-            .arr(1)
-            .arr(2)
-            .str("r")
-            .arr(1)
-            .raw(b)
-            .0;
+        let buf = one_token(b);
         let m = read(&layout(), &buf).unwrap();
         assert_eq!(m.outputs[0][1], Val::Ints(vec![want]));
     }
