@@ -125,6 +125,9 @@ def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bo
             inner = getattr(client, seam.decoder)
             if not isinstance(inner, NativeOutputsDecoder):
                 setattr(client, seam.decoder, NativeOutputsDecoder(inner, reader))
+                vllm_logger("vllm.vllm_mmretry.receive").info(
+                    "vllm-mmretry: common engine-output messages are decoded natively (%s=1)",
+                    DECODE_SWITCH)
         return start(client, *args, **kwargs)
 
     return start_output_task

@@ -62,6 +62,7 @@ def test_served_with_the_native_decoder(native: mock_serve.MockServed, model: st
     from engine_outputs_support import decode_both
 
     body = chat_body(model, image_url((97, 1, 0)))
+    assert "engine-output messages are decoded natively" in native.front_log()
     with client(native) as http:
         # Chat with n = 2 and a completion with a stop string.
         r = http.post("/v1/chat/completions", json={**body, "n": 2, "temperature": 0.8})
