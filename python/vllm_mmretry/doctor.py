@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm_mmretry import vllm_adapter
+from vllm_mmretry.switches import is_off
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -95,7 +96,7 @@ def check_plugin_loading() -> Check:
     if allowed is not None and PLUGIN_NAME not in allowed:
         return Check("plugin", FAIL, f"VLLM_PLUGINS={','.join(allowed)} does not list "
                      f"{PLUGIN_NAME}: vLLM will not load the plugin", details)
-    if switch.strip().lower() in ("0", "false", "off", "no"):
+    if is_off(switch):
         return Check("plugin", WARN, f"VLLM_MMRETRY={switch}: the plugin loads but patches "
                      "nothing", details)
     return Check("plugin", OK, "vLLM will load the plugin in every process "
@@ -169,7 +170,7 @@ def check_native_decode() -> Check:
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
     if target is None:
         return Check("tokenizer", SKIP, "no model or folder given")
-    from vllm_mmretry.output_processor import NATIVE_DETOK_ENV, native_vocab
+    from vllm_mmretry.output_processor import NATIVE_DETOK_ENV, native_detok_enabled, native_vocab
 
     source = getattr(args, "tokenizer", None) or target
     mode = getattr(args, "tokenizer_mode", None) or "auto"
@@ -181,7 +182,7 @@ def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Chec
         return Check("tokenizer", FAIL, f"vLLM cannot load the tokenizer of {source}: {exc}",
                      details)
     details["class"] = type(tokenizer).__name__
-    if os.environ.get(NATIVE_DETOK_ENV, "1").lower() in ("0", "false", "no", "off"):
+    if not native_detok_enabled():
         details["reason"] = "disabled"
         return Check("tokenizer", WARN, f"{NATIVE_DETOK_ENV}=0: vLLM's Python detokenizer "
                      "runs", details)

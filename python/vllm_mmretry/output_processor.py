@@ -48,6 +48,7 @@ from typing import Any
 
 from vllm_mmretry import _core
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
+from vllm_mmretry.switches import switch_on
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 from vllm_mmretry.vllm_adapter.base import SelfCheck
 
@@ -70,10 +71,11 @@ def native_vocab(tokenizer: Any) -> tuple[Any, str | None]:
     return _vllm.native_vocab(tokenizer)
 
 
-def _native_enabled(native_detok: bool | None) -> bool:
+def native_detok_enabled(native_detok: bool | None = None) -> bool:
+    """The native detokenizer is used: as asked, else by VLLM_MMRETRY_NATIVE_DETOK."""
     if native_detok is not None:
         return native_detok
-    return os.environ.get(NATIVE_DETOK_ENV, "1").lower() not in ("0", "false", "no", "off")
+    return switch_on(NATIVE_DETOK_ENV)
 
 
 _logger: logging.Logger | None = None
@@ -124,7 +126,7 @@ class OutputProcessor:
         self.tracing_enabled = tracing_enabled
         self.admission_stats = admission_stats
         self._detok_reason: str | None
-        vocab, self._detok_reason = (native_vocab(tokenizer) if _native_enabled(native_detok)
+        vocab, self._detok_reason = (native_vocab(tokenizer) if native_detok_enabled(native_detok)
                                      else (None, "disabled"))
         # Built now, after every plugin has loaded: what vLLM's constructors build
         # is what the native path must build.

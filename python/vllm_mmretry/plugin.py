@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 
 from vllm_mmretry import vllm_adapter
+from vllm_mmretry.switches import switch_on
 
 logger = logging.getLogger("vllm_mmretry")
 
@@ -64,7 +65,7 @@ def register() -> list[str]:
         return _state
     log = _vllm_logger()
     proc = _process_name()
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not switch_on(ENV_SWITCH):
         # The test-only fault switch still applies, so tests can show what stock
         # vLLM does with the same induced fault.
         from vllm_mmretry import faults

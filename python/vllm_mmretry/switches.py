@@ -1,0 +1,21 @@
+"""How every VLLM_MMRETRY* on/off switch is read, in one place.
+
+"0", "false", "off" and "no" (any case, surrounding spaces ignored) mean off; anything
+else, including an empty value, means on. A padded " 0" is off because an operator
+who wrote it meant off."""
+
+from __future__ import annotations
+
+import os
+
+_OFF = frozenset(("0", "false", "off", "no"))
+
+
+def is_off(value: str) -> bool:
+    return value.strip().lower() in _OFF
+
+
+def switch_on(name: str, default: bool = True) -> bool:
+    """Whether the switch `name` is on; `default` when it is not set."""
+    value = os.environ.get(name)
+    return default if value is None else not is_off(value)
