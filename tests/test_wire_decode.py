@@ -33,6 +33,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult
 
 from vllm_mmretry import _core
+from vllm_mmretry.vllm_adapter import adapter
 
 I64 = st.integers(-(2**63), 2**64 - 1)
 
@@ -83,9 +84,11 @@ def test_the_adapter_gives_the_layout_of_this_vllm() -> None:
     kinds = reader().output_kinds
     fields = EngineCoreOutput.__struct_fields__
     assert len(kinds) == len(fields)
-    read = {f: k for f, k in zip(fields, kinds, strict=True) if k != "Nil"}
-    assert read == {"request_id": "Str", "new_token_ids": "IntList", "finish_reason": "OptEnum",
-                    "stop_reason": "OptIntOrStr", "num_nans_in_logits": "Int"}
+    read = {f: k for f, k in zip(fields, kinds, strict=True) if k != "nil"}
+    assert read == {"request_id": "str", "new_token_ids": "int_list", "finish_reason": "opt_enum",
+                    "stop_reason": "opt_int_or_str", "num_nans_in_logits": "int"}
+    wire = adapter().outputs_wire()
+    assert not isinstance(wire, str) and kinds == wire.output_kinds
 
 
 def test_the_common_message_is_read_natively() -> None:
@@ -144,8 +147,6 @@ def test_zmq_frames_and_memoryviews_are_read_like_bytes() -> None:
 
 def test_a_reader_refuses_a_schema_that_does_not_add_up() -> None:
     from dataclasses import replace
-
-    from vllm_mmretry.vllm_adapter import adapter
 
     wire = adapter().outputs_wire()
     assert not isinstance(wire, str)

@@ -31,20 +31,29 @@ struct Schema {
     field_decoders: Vec<Option<Py<PyAny>>>,
 }
 
+/// The schema's spelling of each kind, both ways.
+const KIND_NAMES: [(&str, Kind); 6] = [
+    ("str", Kind::Str),
+    ("int_list", Kind::IntList),
+    ("opt_enum", Kind::OptEnum),
+    ("opt_int_or_str", Kind::OptIntOrStr),
+    ("int", Kind::Int),
+    ("nil", Kind::Nil),
+];
+
 fn kind(name: &str) -> PyResult<Kind> {
-    Ok(match name {
-        "str" => Kind::Str,
-        "int_list" => Kind::IntList,
-        "opt_enum" => Kind::OptEnum,
-        "opt_int_or_str" => Kind::OptIntOrStr,
-        "int" => Kind::Int,
-        "nil" => Kind::Nil,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "unknown field kind {other:?}"
-            )))
-        }
-    })
+    KIND_NAMES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, k)| *k)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown field kind {name:?}")))
+}
+
+fn kind_name(kind: Kind) -> &'static str {
+    KIND_NAMES
+        .iter()
+        .find(|(_, k)| *k == kind)
+        .map_or("?", |(n, _)| n)
 }
 
 /// Reads engine-output messages of the common shape into vLLM's objects.
@@ -128,10 +137,10 @@ impl OutputsReader {
         self.build(py, bytes)
     }
 
-    /// Which kind each `EngineCoreOutput` field was given (for doctor and tests).
+    /// Which kind each `EngineCoreOutput` field was given, as the schema spells it.
     #[getter]
-    fn output_kinds(&self) -> Vec<String> {
-        self.kinds.iter().map(|k| format!("{k:?}")).collect()
+    fn output_kinds(&self) -> Vec<&'static str> {
+        self.kinds.iter().map(|k| kind_name(*k)).collect()
     }
 }
 
