@@ -186,7 +186,7 @@ def test_the_installed_starter_gives_the_task_the_native_decoder() -> None:
     """Once, before the task starts; the task then decodes with it."""
     seam = adapter().receive_seam()
     assert isinstance(seam, ReceiveSeam)
-    start = receive._starting_task(vllm_start(), seam, ready_first=False, reader=reader())
+    start = receive._starting_task(vllm_start(), seam, ready_first=False, reader=reader)
 
     async def go() -> tuple[Any, Any, int]:
         wire = Wire(ready_first=False)
@@ -204,6 +204,35 @@ def test_the_installed_starter_gives_the_task_the_native_decoder() -> None:
 
     vllms, ours, native = asyncio.run(go())
     assert isinstance(ours, receive.NativeOutputsDecoder) and ours.inner is vllms and native == 1
+
+
+def test_install_builds_the_reader_when_a_client_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not at install: every process loads the plugin, only API-server clients decode.
+    Built once per process, however many clients start."""
+    owner, name = AsyncMPClient, "_ensure_output_queue_task"
+    start = vllm_start()
+    monkeypatch.setattr(_patching, "_originals", {})
+    monkeypatch.setattr(owner, name, start)
+    monkeypatch.setenv(receive.DECODE_SWITCH, "1")
+    built: list[Any] = []
+    monkeypatch.setattr(receive, "native_reader", lambda: built.append(reader()) or built[-1])
+    assert receive.install() == [f"{owner.__name__}.{name}"]
+    assert built == []
+
+    async def go() -> list[Any]:
+        wires = [Wire(ready_first=False), Wire(ready_first=False)]
+        try:
+            for wire in wires:
+                getattr(owner, name)(wire.client)
+            return [wire.client.decoder for wire in wires]
+        finally:
+            for wire in wires:
+                wire.close()
+
+    decoders = asyncio.run(go())
+    assert len(built) == 1
+    assert all(isinstance(d, receive.NativeOutputsDecoder) and d.reader is built[0]
+               for d in decoders)
 
 
 def test_the_adapter_knows_this_vllm_output_task() -> None:
@@ -288,7 +317,7 @@ def test_a_started_task_is_left_alone() -> None:
         try:
             vllm_start()(wire.client)
             before = wire.client.decoder
-            receive._starting_task(vllm_start(), seam, ready_first=True, reader=reader())(wire.client)
+            receive._starting_task(vllm_start(), seam, ready_first=True, reader=reader)(wire.client)
             return receive.is_ready_first(wire.pull) or wire.client.decoder is not before
         finally:
             wire.close()

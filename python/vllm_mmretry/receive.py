@@ -27,7 +27,6 @@ the native decoder is used only with VLLM_MMRETRY_NATIVE_DECODE=1."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from vllm_mmretry import _core, _patching
+from vllm_mmretry.switches import switch_on
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 from vllm_mmretry.vllm_adapter.base import ReceiveSeam
 
@@ -44,19 +44,15 @@ DECODE_SWITCH = "VLLM_MMRETRY_NATIVE_DECODE"
 _MARK = "__vllm_mmretry_ready_first__"
 
 
-def _on(switch: str, default: str = "1") -> bool:
-    return os.environ.get(switch, default).strip().lower() not in ("0", "false", "off", "no")
-
-
 def enabled() -> bool:
-    return _on(ENV_SWITCH)
+    return switch_on(ENV_SWITCH)
 
 
 def native_decode_enabled() -> bool:
     # Off unless asked for: building vLLM's objects natively is slower than msgspec
     # (README, "Native engine-output decoding"); it is the reader a native batch
     # path would start from.
-    return _on(DECODE_SWITCH, "0")
+    return switch_on(DECODE_SWITCH, default=False)
 
 
 class NativeOutputsDecoder:
@@ -107,14 +103,18 @@ def install() -> list[str]:
         vllm_logger("vllm.vllm_mmretry.receive").warning(
             "vllm-mmretry: engine outputs are received as vLLM does (%s)", seam)
         return []
-    reader = native_reader() if native_decode else None
+    # Built the first time a client starts its task: only the API server's clients
+    # decode engine outputs, not every process that loads the plugin.
+    reader = functools.cache(native_reader) if native_decode else None
     start = getattr(seam.owner, seam.method)
     return [_patching.patch_attr(seam.owner, seam.method,
                                  _starting_task(start, seam, ready_first, reader))]
 
 
 def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bool,
-                   reader: _core.OutputsReader | None) -> Any:
+                   reader: Callable[[], _core.OutputsReader | None] | None) -> Any:
+    """vLLM's output-task starter that first makes the socket ready-first and gives
+    the client the native decoder (`reader` builds the decoder's reader)."""
     @functools.wraps(start)
     def start_output_task(client: Any, *args: Any, **kwargs: Any) -> Any:
         sock = seam.output_socket(client)
@@ -122,15 +122,23 @@ def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bo
             make_ready_first(sock)
         # Only before the task starts: it takes the client's decoder once, then.
         if reader is not None and sock is not None:
-            inner = getattr(client, seam.decoder)
-            if not isinstance(inner, NativeOutputsDecoder):
-                setattr(client, seam.decoder, NativeOutputsDecoder(inner, reader))
-                vllm_logger("vllm.vllm_mmretry.receive").info(
-                    "vllm-mmretry: common engine-output messages are decoded natively (%s=1)",
-                    DECODE_SWITCH)
+            give_native_decoder(client, seam, reader)
         return start(client, *args, **kwargs)
 
     return start_output_task
+
+
+def give_native_decoder(client: Any, seam: ReceiveSeam,
+                        reader: Callable[[], _core.OutputsReader | None]) -> None:
+    inner = getattr(client, seam.decoder)
+    if isinstance(inner, NativeOutputsDecoder):
+        return
+    built = reader()
+    if built is not None:
+        setattr(client, seam.decoder, NativeOutputsDecoder(inner, built))
+        vllm_logger("vllm.vllm_mmretry.receive").info(
+            "vllm-mmretry: common engine-output messages are decoded natively (%s=1)",
+            DECODE_SWITCH)
 
 
 def is_ready_first(sock: Any) -> bool:
