@@ -2,6 +2,9 @@ from collections.abc import Iterable
 from typing import Any, final
 
 __all__ = [
+    "FastCounterInc",
+    "FastGaugeSet",
+    "FastHistogramObserve",
     "NativeDetokenizer",
     "NativeVocab",
     "OutputCore",
@@ -126,3 +129,20 @@ class OutputsReader:
     def __new__(cls, schema: OutputsWire) -> OutputsReader: ...
     # None when the message is not of the common shape (vLLM's decoder then reads it).
     def read(self, frame: Any) -> Any | None: ...
+
+# prometheus_client updates for one metric child (prom.rs); any call other than
+# the one-positional form goes to `original`, the child's own method.
+@final
+class FastCounterInc:
+    def __new__(cls, value: Any, original: Any) -> FastCounterInc: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> None: ...
+
+@final
+class FastGaugeSet:
+    def __new__(cls, value: Any, original: Any) -> FastGaugeSet: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> None: ...
+
+@final
+class FastHistogramObserve:
+    def __new__(cls, sum: Any, buckets: list[Any], bounds: list[float], original: Any) -> FastHistogramObserve: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> None: ...

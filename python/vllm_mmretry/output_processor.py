@@ -46,7 +46,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_mmretry import _core
+from vllm_mmretry import _core, prom
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.switches import switch_on
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
@@ -309,14 +309,18 @@ def install() -> list[str]:
     labels = [patch_attr(owner, name, new)
               for owner, name, new in _vllm.output_processor_patches(OutputProcessor)]
     for engine_cls in _vllm.engine_classes():
-        labels.append(patch_attr(engine_cls, "__init__", _wire_cache(engine_cls.__init__)))
+        labels.append(patch_attr(engine_cls, "__init__", _after_engine_init(engine_cls.__init__)))
     return labels
 
 
-def _wire_cache(init: Any) -> Any:
+def _after_engine_init(init: Any) -> Any:
+    """The engine's __init__, then: its output processor wired to P0's cache,
+    and native updates for its stat loggers' prometheus metrics (prom.py)."""
+
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        prom.speed_up_engine(self)
         op = _vllm.engine_output_processor(self)
         if isinstance(op, OutputProcessor):
             # The renderer, not its cache: read at each miss, so a rebuilt cache

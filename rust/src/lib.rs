@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 pub mod core;
 pub mod detok;
 pub mod eco;
+pub mod prom;
 pub mod table;
 pub mod wire;
 
@@ -18,6 +19,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<core::OutputCore>()?;
     detok::py::register(m)?;
     wire::py::register(m)?;
+    prom::py::register(m)?;
     Ok(())
 }
 

@@ -403,6 +403,10 @@ class VllmAdapter(abc.ABC):
     def engine_renderer(self, engine: Any) -> Any: ...
 
     @abc.abstractmethod
+    def prometheus_stat_loggers(self, engine: Any) -> list[Any]:
+        """The engine's Prometheus stat loggers ([] when statistics are off)."""
+
+    @abc.abstractmethod
     def miss_error(self, hashes: list[str]) -> Any: ...
 
     # --- serving retry

@@ -955,6 +955,13 @@ class Adapter(VllmAdapter):
     def engine_renderer(self, engine: Any) -> Any:
         return engine.renderer
 
+    def prometheus_stat_loggers(self, engine: Any) -> list[Any]:
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+        manager = getattr(engine, "logger_manager", None)
+        loggers = getattr(manager, "stat_loggers", None) or []
+        return [lg for lg in loggers if isinstance(lg, PrometheusStatLogger)]
+
     def miss_error(self, hashes: list[str]) -> Any:
         return miss_error(hashes)
 

@@ -1,0 +1,256 @@
+//! Thin PyO3 binding: `_core.FastCounterInc`, `_core.FastGaugeSet` and
+//! `_core.FastHistogramObserve`, callables that stand in for one
+//! prometheus_client child's `inc`, `set` or `observe`. `vllm_mmretry.prom`
+//! decides which children qualify (observable, with `MutexValue` stores) and
+//! hands over their parts. Any call other than the
+//! one-positional form vLLM uses goes to the child's own method, unchanged.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyFloat, PyInt, PyTuple};
+
+use crate::core::guarded;
+
+/// Ints this size or smaller convert to f64 exactly, so comparing the f64 with
+/// a bound is Python's int-to-float comparison.
+const EXACT_INT: u64 = 1 << 53;
+
+/// A prometheus_client `MutexValue`: the object and its lock's bound
+/// `acquire` and `release` (looked up once).
+struct MutexCell {
+    value: Py<PyAny>,
+    acquire: Py<PyAny>,
+    release: Py<PyAny>,
+}
+
+impl MutexCell {
+    fn new(value: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = value.py();
+        let lock = value.getattr(pyo3::intern!(py, "_lock"))?;
+        Ok(Self {
+            value: value.clone().unbind(),
+            acquire: lock.getattr(pyo3::intern!(py, "acquire"))?.unbind(),
+            release: lock.getattr(pyo3::intern!(py, "release"))?.unbind(),
+        })
+    }
+
+    /// `MutexValue.inc`: `with self._lock: self._value += amount`.
+    fn inc(&self, py: Python<'_>, amount: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.locked(py, |v| {
+            let name = pyo3::intern!(py, "_value");
+            let current = v.getattr(name)?;
+            // `+=`, not `+`: the same result, and the same error text for a bad amount.
+            // SAFETY: both pointers are live objects; the call returns a new reference or NULL.
+            let sum = unsafe {
+                Bound::from_owned_ptr_or_err(
+                    py,
+                    pyo3::ffi::PyNumber_InPlaceAdd(current.as_ptr(), amount.as_ptr()),
+                )?
+            };
+            v.setattr(name, sum)
+        })
+    }
+
+    /// `MutexValue.set` without a timestamp: `with self._lock: self._value = value`.
+    fn set(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.locked(py, |v| v.setattr(pyo3::intern!(py, "_value"), value))
+    }
+
+    /// Runs `f` holding the value's lock, released whatever `f` returns.
+    fn locked(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<()>,
+    ) -> PyResult<()> {
+        self.acquire.bind(py).call0()?;
+        let done = f(self.value.bind(py));
+        self.release.bind(py).call0()?;
+        done
+    }
+}
+
+/// The one argument of a plain call (`m.inc(x)`), or None for any other form.
+fn single_arg<'py>(
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> Option<Bound<'py, PyAny>> {
+    if kwargs.is_some_and(|k| !k.is_empty()) || args.len() != 1 {
+        return None;
+    }
+    args.get_item(0).ok()
+}
+
+fn call_original(
+    original: &Py<PyAny>,
+    args: &Bound<'_, PyTuple>,
+    kwargs: Option<&Bound<'_, PyDict>>,
+) -> PyResult<()> {
+    original.bind(args.py()).call(args, kwargs).map(drop)
+}
+
+/// `Counter.inc` for one observable child.
+#[pyclass(frozen, module = "vllm_mmretry._core")]
+pub struct FastCounterInc {
+    cell: MutexCell,
+    original: Py<PyAny>,
+}
+
+#[pymethods]
+impl FastCounterInc {
+    #[new]
+    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            cell: MutexCell::new(value)?,
+            original,
+        })
+    }
+
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__(
+        &self,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        guarded("Counter.inc", || {
+            let py = args.py();
+            let amount = if args.is_empty() && kwargs.is_none_or(|k| k.is_empty()) {
+                PyInt::new(py, 1).into_any()
+            } else {
+                match single_arg(args, kwargs) {
+                    Some(a) => a,
+                    None => return call_original(&self.original, args, kwargs),
+                }
+            };
+            // A negative amount: the original raises prometheus_client's error.
+            if amount.lt(0)? {
+                return call_original(&self.original, args, kwargs);
+            }
+            self.cell.inc(py, &amount)
+        })?
+    }
+}
+
+/// `Gauge.set` for one observable child (in "mostrecent" mode too: the
+/// timestamp prometheus_client passes then is ignored by a `MutexValue`).
+#[pyclass(frozen, module = "vllm_mmretry._core")]
+pub struct FastGaugeSet {
+    cell: MutexCell,
+    original: Py<PyAny>,
+}
+
+#[pymethods]
+impl FastGaugeSet {
+    #[new]
+    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            cell: MutexCell::new(value)?,
+            original,
+        })
+    }
+
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__(
+        &self,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        guarded("Gauge.set", || {
+            let Some(value) = single_arg(args, kwargs) else {
+                return call_original(&self.original, args, kwargs);
+            };
+            let py = args.py();
+            // `float(value)`: an exact float is itself.
+            let value = if value.is_exact_instance_of::<PyFloat>() {
+                value
+            } else {
+                py.get_type::<PyFloat>().call1((value,))?
+            };
+            self.cell.set(py, &value)
+        })?
+    }
+}
+
+/// `Histogram.observe` for one observable child.
+#[pyclass(frozen, module = "vllm_mmretry._core")]
+pub struct FastHistogramObserve {
+    sum: MutexCell,
+    buckets: Vec<MutexCell>,
+    /// `_upper_bounds`, as Python floats (for amounts of other types) and as f64.
+    bounds: Vec<Py<PyAny>>,
+    bounds_f64: Vec<f64>,
+    original: Py<PyAny>,
+}
+
+#[pymethods]
+impl FastHistogramObserve {
+    #[new]
+    fn new(
+        sum: &Bound<'_, PyAny>,
+        buckets: Vec<Bound<'_, PyAny>>,
+        bounds: Vec<Bound<'_, PyFloat>>,
+        original: Py<PyAny>,
+    ) -> PyResult<Self> {
+        if buckets.len() != bounds.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "a histogram needs one bucket per upper bound",
+            ));
+        }
+        Ok(Self {
+            sum: MutexCell::new(sum)?,
+            buckets: buckets
+                .iter()
+                .map(MutexCell::new)
+                .collect::<PyResult<_>>()?,
+            bounds_f64: bounds.iter().map(|b| b.value()).collect(),
+            bounds: bounds.into_iter().map(|b| b.into_any().unbind()).collect(),
+            original,
+        })
+    }
+
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__(
+        &self,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        guarded("Histogram.observe", || {
+            let Some(amount) = single_arg(args, kwargs) else {
+                return call_original(&self.original, args, kwargs);
+            };
+            let py = args.py();
+            self.sum.inc(py, &amount)?;
+            match self.bucket(&amount)? {
+                Some(i) => self.buckets[i].inc(py, PyInt::new(py, 1).as_any()),
+                None => Ok(()),
+            }
+        })?
+    }
+}
+
+impl FastHistogramObserve {
+    /// The bucket `observe` counts `amount` in, compared as Python compares it.
+    fn bucket(&self, amount: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        if let Ok(f) = amount.cast_exact::<PyFloat>() {
+            return Ok(super::bucket_for(&self.bounds_f64, f.value()));
+        }
+        if let Ok(i) = amount.cast_exact::<PyInt>() {
+            if let Ok(v) = i.extract::<i64>() {
+                if v.unsigned_abs() <= EXACT_INT {
+                    return Ok(super::bucket_for(&self.bounds_f64, v as f64));
+                }
+            }
+        }
+        for (i, bound) in self.bounds.iter().enumerate() {
+            if amount.le(bound.bind(amount.py()))? {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<FastCounterInc>()?;
+    m.add_class::<FastGaugeSet>()?;
+    m.add_class::<FastHistogramObserve>()?;
+    Ok(())
+}

@@ -1,0 +1,256 @@
+"""Native prometheus_client updates (prom.py, rust/src/prom): a metric child given
+the native `inc`/`set`/`observe` must end in the same samples and raise the same
+errors as prometheus_client's own method, call by call, on hypothesis-generated
+calls (odd values and call forms included); and vLLM's real PrometheusStatLogger,
+recording the same generated stream of statistics once stock and once with its
+metrics sped up, must leave the same `vllm:` samples in the registry."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Summary
+from prometheus_client.values import MutexValue
+
+from vllm_mmretry import _core, prom
+
+NUMBERS = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 0.0, -0.0, 1, True, False, 2**53 + 1, -(2**53) - 1, 0.001, 0.5, 10.0]),
+)
+ODD = st.sampled_from(["2.5", "x", None, Decimal("1.5"), Fraction(1, 3), b"1", [], 1j])
+VALUES = st.one_of(NUMBERS, NUMBERS, NUMBERS, ODD)
+EXEMPLAR = st.sampled_from([None, {}, {"trace_id": "abc"}])
+
+
+@st.composite
+def call(draw: st.DrawFn, kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """One call's arguments: mostly the plain positional form vLLM uses."""
+    form = draw(st.sampled_from(["plain"] * 6 + ["none", "keyword", "exemplar", "extra"]))
+    value = draw(VALUES)
+    key = {"counter": "amount", "gauge": "value", "histogram": "amount"}[kind]
+    if form == "none":
+        return (), {}
+    if form == "keyword":
+        return (), {key: value}
+    if form == "exemplar" and kind != "gauge":
+        return (value,), {"exemplar": draw(EXEMPLAR)}
+    if form == "extra":
+        return (value, None, None), {}
+    return (value,), {}
+
+
+def twins(kind: str, tag: str, **kw: Any) -> tuple[Any, Any]:
+    """A stock child and one given the native method, each in no registry."""
+    cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[kind]
+    made = []
+    for side in ("stock", "fast"):
+        parent = cls(f"t_{tag}_{side}", "doc", ["k"], registry=None, **kw)
+        made.append(parent.labels("v"))
+    found = prom.fast_method(made[1])
+    assert found is not None
+    setattr(made[1], *found)
+    return made[0], made[1]
+
+
+def outcome(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    try:
+        method(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - compared, not handled
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def samples(child: Any) -> list[Any]:
+    """Samples with values by repr; exemplars by labels and value (their time differs)."""
+    out = []
+    for s in child._samples():
+        if s.name.endswith("_created"):
+            continue
+        ex = (s.exemplar.labels, repr(s.exemplar.value)) if s.exemplar else None
+        out.append((s.name, s.labels, repr(s.value), ex))
+    return out
+
+
+KINDS = {
+    "counter": ({}, "inc"),
+    "gauge": ({}, "set"),
+    "gauge_mostrecent": ({"multiprocess_mode": "mostrecent"}, "set"),
+    "histogram": ({"buckets": (0.001, 0.5, 10.0)}, "observe"),
+    "histogram_default": ({}, "observe"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_native_update_matches_prometheus_client_call_by_call(name: str, data: st.DataObject) -> None:
+    kw, method = KINDS[name]
+    kind = name.split("_")[0]
+    stock, fast = twins(kind, f"{name}_{data.draw(st.integers(0, 10**9))}", **kw)
+    assert type(getattr(fast, method)).__module__ == "vllm_mmretry._core"
+    for args, kwargs in data.draw(st.lists(call(kind), min_size=1, max_size=12)):
+        want = outcome(getattr(stock, method), args, kwargs)
+        got = outcome(getattr(fast, method), args, kwargs)
+        assert got == want, (args, kwargs)
+        assert samples(fast) == samples(stock), (args, kwargs)
+
+
+def test_the_native_update_takes_the_values_lock() -> None:
+    """While another thread holds a value's lock, the update waits for it."""
+    import threading
+
+    c = Counter("t_lock", "doc", registry=None)
+    setattr(c, *prom.fast_method(c))  # type: ignore[misc]
+    c._value._lock.acquire()
+    t = threading.Thread(target=c.inc, args=(5,))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and c._value._value == 0.0
+    c._value._lock.release()
+    t.join(5)
+    assert not t.is_alive() and c._value.get() == 5.0
+
+
+def test_only_single_observable_children_with_mutex_values_qualify() -> None:
+    labelled = Counter("t_q_parent", "doc", ["k"], registry=None)
+    assert prom.fast_method(labelled) is None  # a parent: no value of its own
+    child = labelled.labels("a")
+    found = prom.fast_method(child)
+    assert found is not None and found[0] == "inc"
+    setattr(child, *found)
+    assert prom.fast_method(child) is None  # never twice
+    assert prom.fast_method(Summary("t_q_summary", "doc", registry=None)) is None
+    other = Gauge("t_q_gauge", "doc", registry=None)
+    other._value = object.__new__(type("OtherValue", (), {}))  # e.g. multiprocess
+    assert prom.fast_method(other) is None
+    h = Histogram("t_q_hist", "doc", registry=None)
+    assert all(type(b) is MutexValue for b in h._buckets)
+    assert prom.fast_method(h) is not None
+
+
+def test_self_check_passes_here_and_catches_a_wrong_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert prom.self_check() is None
+
+    class Wrong:
+        """Counts everything twice."""
+
+        def __init__(self, value: Any, original: Any) -> None:
+            self.original = original
+
+        def __call__(self, *args: Any, **kwargs: Any) -> None:
+            self.original(*args, **kwargs)
+            self.original(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "FastCounterInc", Wrong)
+    failure = prom.self_check.__wrapped__()
+    assert failure is not None and failure.startswith("expected counter")
+
+
+def test_switch_off_leaves_prometheus_client_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(prom.ENV_SWITCH, "0")
+    assert prom.speed_up_engine(object()) == 0
+
+
+# ------------------------------------------------------ vLLM's own stat logger
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_path: str) -> Any:
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    # The device given, so vLLM 0.33's GPU build makes a config here too.
+    model = ModelConfig(model=tiny_model_path, max_model_len=512, dtype="float32")
+    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"))
+
+
+SMALL = st.integers(min_value=0, max_value=50)
+TIMES = st.floats(min_value=0.0, max_value=30.0)
+
+
+@st.composite
+def step_stats(draw: st.DrawFn) -> tuple[Any, Any]:
+    """One engine step's (SchedulerStats, IterationStats), as the output handler passes them."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+
+    sched = None
+    if draw(st.booleans()):
+        sched = SchedulerStats(
+            num_running_reqs=draw(SMALL), num_waiting_reqs=draw(SMALL),
+            num_skipped_waiting_reqs=draw(SMALL), kv_cache_usage=draw(st.floats(0, 1)),
+            prefix_cache_stats=PrefixCacheStats(requests=draw(SMALL), queries=draw(SMALL), hits=draw(SMALL)),
+        )
+    its = IterationStats()
+    its.num_generation_tokens = draw(SMALL)
+    its.num_preempted_reqs = draw(st.integers(0, 2))
+    pts = its.prompt_token_stats
+    pts.computed, pts.local_cache_hit, pts.cached_tokens = draw(SMALL), draw(SMALL), draw(SMALL)
+    pts.total = pts.computed + pts.local_cache_hit
+    its.time_to_first_tokens_iter = draw(st.lists(TIMES, max_size=3))
+    its.inter_token_latencies_iter = draw(st.lists(TIMES, max_size=6))
+    its.n_params_iter = draw(st.lists(st.integers(1, 4), max_size=2))
+    its.max_num_generation_tokens_iter = draw(st.lists(SMALL, max_size=2))
+    for _ in range(draw(st.integers(0, 2))):
+        its.finished_requests.append(FinishedRequestStats(
+            finish_reason=draw(st.sampled_from([FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT])),
+            e2e_latency=draw(TIMES), num_prompt_tokens=draw(SMALL), num_generation_tokens=draw(SMALL),
+            max_tokens_param=draw(st.none() | SMALL), queued_time=draw(TIMES), prefill_time=draw(TIMES),
+            inference_time=draw(TIMES), decode_time=draw(TIMES),
+            mean_time_per_output_token=draw(TIMES),
+        ))
+    return sched, its
+
+
+def registry_samples(prefix: str = "vllm:") -> list[Any]:
+    out = []
+    for family in REGISTRY.collect():
+        if not family.name.startswith(prefix):
+            continue
+        for s in family.samples:
+            if not s.name.endswith("_created"):
+                out.append((s.name, sorted(s.labels.items()), repr(s.value)))
+    return sorted(out)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(stream=st.lists(step_stats(), min_size=1, max_size=25))
+def test_vllms_stat_logger_leaves_stock_samples(vllm_config: Any, stream: list[Any]) -> None:
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    seen = []
+    for fast in (False, True):
+        # Each logger replaces the previous one's `vllm:` metrics in the registry.
+        logger = PrometheusStatLogger(vllm_config, engine_indexes=[0])
+        if fast:
+            assert len(prom.speed_up([logger])) > 20
+        for sched, its in stream:
+            logger.record(scheduler_stats=sched, iteration_stats=its, engine_idx=0)
+        seen.append(registry_samples())
+    assert seen[0] and seen[1] == seen[0]
+
+
+def test_a_served_engines_stat_loggers_are_found(vllm_config: Any) -> None:
+    """The adapter finds the Prometheus logger in vLLM's StatLoggerManager."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    from vllm_mmretry.vllm_adapter import adapter
+
+    class Engine:
+        logger_manager = StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])
+
+    engine = Engine()
+    loggers = adapter().prometheus_stat_loggers(engine)
+    assert [type(lg).__name__ for lg in loggers] == ["PrometheusStatLogger"]
+    assert adapter().prometheus_stat_loggers(object()) == []
+    count = prom.speed_up_engine(engine)
+    native = [c for c in prom.metric_children(loggers[0])
+              if any(type(v).__module__ == "vllm_mmretry._core" for v in vars(c).values())]
+    assert count > 20 and len(native) == count
