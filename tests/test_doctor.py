@@ -57,8 +57,8 @@ def test_tiny_model_text_report(tiny_model_path: str) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1] == "vllm-mmretry doctor: all is well"
     by_name = {line.split()[2]: line for line in lines[:-1]}
-    assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "native_decode", "tokenizer",
-                            "mm_cache"}
+    assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "native_decode", "native_metrics",
+                            "tokenizer", "mm_cache"}
     assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
     assert f"vLLM {installed_vllm_version()} is supported" in by_name["vllm"]
     assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
@@ -157,3 +157,16 @@ def test_native_decode_check_follows_its_switch(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setattr(type(vllm_adapter.get()), seam, lambda self, s=seam: f"a new {s}")
         check = doctor.check_native_decode()
         assert check.status == "warn" and f"a new {seam}" in check.summary
+
+
+def test_native_metrics_check_follows_its_switch_and_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmretry import doctor, prom
+
+    monkeypatch.delenv(prom.ENV_SWITCH, raising=False)
+    assert doctor.check_native_metrics().status == "ok"
+    monkeypatch.setattr(prom, "self_check", lambda: "expected counter() ok, got ...")
+    check = doctor.check_native_metrics()
+    assert check.status == "warn" and "expected counter()" in check.summary
+    monkeypatch.setenv(prom.ENV_SWITCH, "off")
+    check = doctor.check_native_metrics()
+    assert check.status == "warn" and prom.ENV_SWITCH in check.summary

@@ -167,6 +167,21 @@ def check_native_decode() -> Check:
                  "the others by vLLM's MsgpackDecoder")
 
 
+def check_native_metrics() -> Check:
+    """Whether vLLM's Prometheus stat loggers get native metric updates (prom.py)."""
+    from vllm_mmretry import prom
+
+    if not prom.enabled():
+        return Check("native_metrics", WARN, f"{prom.ENV_SWITCH}=0: vLLM's statistics update "
+                     "prometheus_client's metrics in Python (slower with statistics on)")
+    failure = prom.self_check()
+    if failure is not None:
+        return Check("native_metrics", WARN, "this prometheus_client's updates differ from the "
+                     f"native ones ({failure}): prometheus_client's own methods run")
+    return Check("native_metrics", OK, "vLLM's stat loggers update their prometheus metrics "
+                 "natively (same samples, checked against prometheus_client)")
+
+
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
     if target is None:
         return Check("tokenizer", SKIP, "no model or folder given")
@@ -264,6 +279,7 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
         return checks
     checks.append(check_receive())
     checks.append(check_native_decode())
+    checks.append(check_native_metrics())
     args = None
     if target is not None:
         try:
