@@ -60,7 +60,6 @@ fn kind_name(kind: Kind) -> &'static str {
 #[pyclass(frozen, module = "vllm_mmretry._core")]
 pub struct OutputsReader {
     layout: Layout,
-    kinds: Vec<Kind>,
     outputs_cls: Py<PyType>,
     output_cls: Py<PyType>,
     output_names: Vec<Py<PyString>>,
@@ -98,10 +97,9 @@ impl OutputsReader {
             layout: Layout {
                 top_fields: s.top_fields,
                 outputs_at: s.outputs_at,
-                output: kinds.clone(),
+                output: kinds,
                 output_required: s.output_required,
             },
-            kinds,
             outputs_cls: s.outputs_cls,
             output_cls: s.output_cls,
             output_names: s
@@ -140,7 +138,7 @@ impl OutputsReader {
     /// Which kind each `EngineCoreOutput` field was given, as the schema spells it.
     #[getter]
     fn output_kinds(&self) -> Vec<&'static str> {
-        self.kinds.iter().map(|k| kind_name(*k)).collect()
+        self.layout.output.iter().map(|k| kind_name(*k)).collect()
     }
 }
 
@@ -191,7 +189,7 @@ impl OutputsReader {
         let required = self.layout.output_required;
         let mut args = Vec::with_capacity(required);
         let mut kwargs: Option<Bound<'py, PyDict>> = None;
-        for (i, (val, kind)) in fields.iter().zip(&self.kinds).enumerate() {
+        for (i, (val, kind)) in fields.iter().zip(&self.layout.output).enumerate() {
             let default =
                 matches!(val, Val::Nil) || matches!((val, kind), (Val::Int(0), Kind::Int));
             if i >= required && default {
