@@ -68,9 +68,15 @@ def fast_method(child: Any) -> tuple[str, Any] | None:
     return name, _core.FastCounterInc(child._value, original)
 
 
-def metric_children(obj: Any, depth: int = 0) -> Iterator[Any]:
-    """Every prometheus_client metric reachable from `obj` through dicts, lists,
-    tuples and vLLM's own helper objects, with the children labelled so far."""
+def metric_children(root: Any) -> Iterator[Any]:
+    """Every prometheus_client metric reachable from `root` (a stat logger) through
+    dicts, lists, tuples and helper objects of the root's own package, with the
+    children labelled so far."""
+    package = type(root).__module__.split(".")[0] + "."
+    yield from _metrics_in(root, package, 0)
+
+
+def _metrics_in(obj: Any, package: str, depth: int) -> Iterator[Any]:
     from prometheus_client.metrics import MetricWrapperBase
 
     if isinstance(obj, MetricWrapperBase):
@@ -84,12 +90,12 @@ def metric_children(obj: Any, depth: int = 0) -> Iterator[Any]:
         items: Any = obj.values()
     elif isinstance(obj, list | tuple):
         items = obj
-    elif type(obj).__module__.startswith("vllm.") and hasattr(obj, "__dict__"):
+    elif type(obj).__module__.startswith(package) and hasattr(obj, "__dict__"):
         items = vars(obj).values()
     else:
         return
     for item in list(items):
-        yield from metric_children(item, depth + 1)
+        yield from _metrics_in(item, package, depth + 1)
 
 
 def speed_up(objects: list[Any]) -> list[str]:
