@@ -38,3 +38,13 @@ def test_rows_carry_paired_ratio_and_spread(tiny_model_path: str) -> None:
         assert 0 < lo <= r["ratio"] <= hi
     rss = [r for r in lines if "rss_mib_after" in r]
     assert len(rss) == 1 and rss[0]["request_steps"] == 100_000
+
+
+def test_bench_record_runs_both_loggers() -> None:
+    """benches/bench_record.py at a small size: both loggers record, a row comes out."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "bench_record.py"), "--blocks", "4", "--per-block", "20"],
+        capture_output=True, text=True, timeout=600, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["patched_metrics"] > 20
+    assert row["stock_us"] > 0 and row["native_us"] > 0 and row["ratio"] > 0
