@@ -87,21 +87,56 @@ fn call_original(
     original.bind(args.py()).call(args, kwargs).map(drop)
 }
 
-/// `Counter.inc` for one observable child.
-#[pyclass(frozen, module = "vllm_mmretry._core")]
-pub struct FastCounterInc {
+/// A single-value child's update: its value, and its own method for the
+/// calls this does not take.
+struct Single {
     cell: MutexCell,
     original: Py<PyAny>,
 }
 
-#[pymethods]
-impl FastCounterInc {
-    #[new]
+impl Single {
     fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
         Ok(Self {
             cell: MutexCell::new(value)?,
             original,
         })
+    }
+
+    /// Runs `update` on a plain call's argument (`default` when there is none
+    /// and it has one); any other call goes to the original method.
+    fn call(
+        &self,
+        what: &str,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+        default: Option<i64>,
+        update: impl FnOnce(&MutexCell, &Bound<'_, PyAny>) -> PyResult<Option<()>>,
+    ) -> PyResult<()> {
+        guarded(what, || {
+            let py = args.py();
+            let no_kwargs = kwargs.is_none_or(|k| k.is_empty());
+            let arg = match (single_arg(args, kwargs), default) {
+                (Some(a), _) => a,
+                (None, Some(d)) if args.is_empty() && no_kwargs => PyInt::new(py, d).into_any(),
+                _ => return call_original(&self.original, args, kwargs),
+            };
+            match update(&self.cell, &arg)? {
+                Some(()) => Ok(()),
+                None => call_original(&self.original, args, kwargs),
+            }
+        })?
+    }
+}
+
+/// `Counter.inc` for one observable child.
+#[pyclass(frozen, module = "vllm_mmretry._core")]
+pub struct FastCounterInc(Single);
+
+#[pymethods]
+impl FastCounterInc {
+    #[new]
+    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
+        Single::new(value, original).map(Self)
     }
 
     #[pyo3(signature = (*args, **kwargs))]
@@ -110,41 +145,27 @@ impl FastCounterInc {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        guarded("Counter.inc", || {
-            let py = args.py();
-            let amount = if args.is_empty() && kwargs.is_none_or(|k| k.is_empty()) {
-                PyInt::new(py, 1).into_any()
-            } else {
-                match single_arg(args, kwargs) {
-                    Some(a) => a,
-                    None => return call_original(&self.original, args, kwargs),
+        self.0
+            .call("Counter.inc", args, kwargs, Some(1), |cell, amount| {
+                // A negative amount: the original raises prometheus_client's error.
+                if amount.lt(0)? {
+                    return Ok(None);
                 }
-            };
-            // A negative amount: the original raises prometheus_client's error.
-            if amount.lt(0)? {
-                return call_original(&self.original, args, kwargs);
-            }
-            self.cell.inc(py, &amount)
-        })?
+                cell.inc(amount.py(), amount).map(Some)
+            })
     }
 }
 
 /// `Gauge.set` for one observable child (in "mostrecent" mode too: the
 /// timestamp prometheus_client passes then is ignored by a `MutexValue`).
 #[pyclass(frozen, module = "vllm_mmretry._core")]
-pub struct FastGaugeSet {
-    cell: MutexCell,
-    original: Py<PyAny>,
-}
+pub struct FastGaugeSet(Single);
 
 #[pymethods]
 impl FastGaugeSet {
     #[new]
     fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
-        Ok(Self {
-            cell: MutexCell::new(value)?,
-            original,
-        })
+        Single::new(value, original).map(Self)
     }
 
     #[pyo3(signature = (*args, **kwargs))]
@@ -153,19 +174,16 @@ impl FastGaugeSet {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        guarded("Gauge.set", || {
-            let Some(value) = single_arg(args, kwargs) else {
-                return call_original(&self.original, args, kwargs);
-            };
-            let py = args.py();
+        self.0.call("Gauge.set", args, kwargs, None, |cell, value| {
+            let py = value.py();
             // `float(value)`: an exact float is itself.
             let value = if value.is_exact_instance_of::<PyFloat>() {
-                value
+                value.clone()
             } else {
                 py.get_type::<PyFloat>().call1((value,))?
             };
-            self.cell.set(py, &value)
-        })?
+            cell.set(py, &value).map(Some)
+        })
     }
 }
 
