@@ -254,3 +254,28 @@ def test_a_served_engines_stat_loggers_are_found(vllm_config: Any) -> None:
     native = [c for c in prom.metric_children(loggers[0])
               if any(type(v).__module__ == "vllm_mmretry._core" for v in vars(c).values())]
     assert count > 20 and len(native) == count
+
+
+def test_a_dropped_child_is_freed_with_its_native_update() -> None:
+    """The native update holds its child weakly: no cycle keeps a dropped child alive."""
+    import gc
+    import weakref
+
+    gone = []
+    for kind, (kw, _method) in KINDS.items():
+        stock, fast = twins(kind.split("_")[0], f"drop_{kind}", **kw)
+        ref = weakref.ref(fast)
+        del stock, fast
+        gc.collect()
+        gone.append(ref() is None)
+    assert all(gone)
+
+
+def test_a_native_update_outliving_its_child_raises_on_fallback() -> None:
+    c = Counter("t_outlive", "doc", registry=None)
+    setattr(c, *prom.fast_method(c))  # type: ignore[misc]
+    inc = c.inc
+    del c
+    inc(2)  # the plain form needs only the value
+    with pytest.raises(ReferenceError):
+        inc(-1)  # the fallback needs the child's own method

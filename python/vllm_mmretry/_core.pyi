@@ -131,7 +131,8 @@ class OutputsReader:
     def read(self, frame: Any) -> Any | None: ...
 
 # prometheus_client updates for one metric child (prom.rs); any call other than
-# the one-positional form goes to `original`, the child's own method.
+# the one-positional form goes to the child's own method, which `original`
+# (a weakref.WeakMethod) gives.
 @final
 class FastCounterInc:
     def __new__(cls, value: Any, original: Any) -> FastCounterInc: ...

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,7 +54,8 @@ def fast_method(child: Any) -> tuple[str, Any] | None:
     name = {Counter: "inc", Gauge: "set", Histogram: "observe"}[kind]
     if name in vars(child):
         return None  # already replaced, by us or by someone else
-    original = getattr(child, name)
+    # Weak: the child holds the stand-in, which must not hold the child.
+    original = weakref.WeakMethod(getattr(child, name))
     if kind is Histogram:
         parts = [child._sum, *child._buckets]
         bounds = child._upper_bounds

@@ -5,6 +5,7 @@
 //! hands over their parts. Any call other than the
 //! one-positional form vLLM uses goes to the child's own method, unchanged.
 
+use pyo3::exceptions::PyReferenceError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFloat, PyInt, PyTuple};
 
@@ -79,12 +80,21 @@ fn single_arg<'py>(
     args.get_item(0).ok()
 }
 
+/// Calls the child's own method through `original`, a `weakref.WeakMethod`: a
+/// strong reference would be a cycle (child -> this -> child) that the
+/// collector cannot see through a Rust object, so a dropped child would leak.
 fn call_original(
     original: &Py<PyAny>,
     args: &Bound<'_, PyTuple>,
     kwargs: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<()> {
-    original.bind(args.py()).call(args, kwargs).map(drop)
+    let method = original.bind(args.py()).call0()?;
+    if method.is_none() {
+        return Err(PyReferenceError::new_err(
+            "the metric this update belongs to no longer exists",
+        ));
+    }
+    method.call(args, kwargs).map(drop)
 }
 
 /// A single-value child's update: its value, and its own method for the
