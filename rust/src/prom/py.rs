@@ -97,8 +97,32 @@ fn call_original(
     method.call(args, kwargs).map(drop)
 }
 
-/// A single-value child's update: its value, and its own method for the
-/// calls this does not take.
+/// Runs `update` on a plain call's argument (`default` when the call has no
+/// argument and the method has one). Any other call form, or an update that
+/// declines (`None`), goes to the child's own method.
+fn dispatch(
+    what: &str,
+    original: &Py<PyAny>,
+    args: &Bound<'_, PyTuple>,
+    kwargs: Option<&Bound<'_, PyDict>>,
+    default: Option<i64>,
+    update: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<Option<()>>,
+) -> PyResult<()> {
+    guarded(what, || {
+        let no_kwargs = kwargs.is_none_or(|k| k.is_empty());
+        let arg = match (single_arg(args, kwargs), default) {
+            (Some(a), _) => a,
+            (None, Some(d)) if args.is_empty() && no_kwargs => PyInt::new(args.py(), d).into_any(),
+            _ => return call_original(original, args, kwargs),
+        };
+        match update(&arg)? {
+            Some(()) => Ok(()),
+            None => call_original(original, args, kwargs),
+        }
+    })?
+}
+
+/// A single-value child's store and its own method.
 struct Single {
     cell: MutexCell,
     original: Py<PyAny>,
@@ -110,31 +134,6 @@ impl Single {
             cell: MutexCell::new(value)?,
             original,
         })
-    }
-
-    /// Runs `update` on a plain call's argument (`default` when there is none
-    /// and it has one); any other call goes to the original method.
-    fn call(
-        &self,
-        what: &str,
-        args: &Bound<'_, PyTuple>,
-        kwargs: Option<&Bound<'_, PyDict>>,
-        default: Option<i64>,
-        update: impl FnOnce(&MutexCell, &Bound<'_, PyAny>) -> PyResult<Option<()>>,
-    ) -> PyResult<()> {
-        guarded(what, || {
-            let py = args.py();
-            let no_kwargs = kwargs.is_none_or(|k| k.is_empty());
-            let arg = match (single_arg(args, kwargs), default) {
-                (Some(a), _) => a,
-                (None, Some(d)) if args.is_empty() && no_kwargs => PyInt::new(py, d).into_any(),
-                _ => return call_original(&self.original, args, kwargs),
-            };
-            match update(&self.cell, &arg)? {
-                Some(()) => Ok(()),
-                None => call_original(&self.original, args, kwargs),
-            }
-        })?
     }
 }
 
@@ -155,14 +154,14 @@ impl FastCounterInc {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        self.0
-            .call("Counter.inc", args, kwargs, Some(1), |cell, amount| {
-                // A negative amount: the original raises prometheus_client's error.
-                if amount.lt(0)? {
-                    return Ok(None);
-                }
-                cell.inc(amount.py(), amount).map(Some)
-            })
+        let Single { cell, original } = &self.0;
+        dispatch("Counter.inc", original, args, kwargs, Some(1), |amount| {
+            // A negative amount: the original raises prometheus_client's error.
+            if amount.lt(0)? {
+                return Ok(None);
+            }
+            cell.inc(amount.py(), amount).map(Some)
+        })
     }
 }
 
@@ -184,7 +183,8 @@ impl FastGaugeSet {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        self.0.call("Gauge.set", args, kwargs, None, |cell, value| {
+        let Single { cell, original } = &self.0;
+        dispatch("Gauge.set", original, args, kwargs, None, |value| {
             let py = value.py();
             // `float(value)`: an exact float is itself.
             let value = if value.is_exact_instance_of::<PyFloat>() {
@@ -240,17 +240,21 @@ impl FastHistogramObserve {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        guarded("Histogram.observe", || {
-            let Some(amount) = single_arg(args, kwargs) else {
-                return call_original(&self.original, args, kwargs);
-            };
-            let py = args.py();
-            self.sum.inc(py, &amount)?;
-            match self.bucket(&amount)? {
-                Some(i) => self.buckets[i].inc(py, PyInt::new(py, 1).as_any()),
-                None => Ok(()),
-            }
-        })?
+        dispatch(
+            "Histogram.observe",
+            &self.original,
+            args,
+            kwargs,
+            None,
+            |amount| {
+                let py = amount.py();
+                self.sum.inc(py, amount)?;
+                if let Some(i) = self.bucket(amount)? {
+                    self.buckets[i].inc(py, PyInt::new(py, 1).as_any())?;
+                }
+                Ok(Some(()))
+            },
+        )
     }
 }
 
