@@ -104,12 +104,9 @@ def speed_up(objects: list[Any]) -> list[str]:
     """Give every qualifying metric child reachable from `objects` its native
     update; returns the labels patched."""
     labels = []
-    seen: set[int] = set()
     for obj in objects:
         for child in metric_children(obj):
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
+            # A child reached twice no longer qualifies once it has its update.
             found = fast_method(child)
             if found is not None:
                 labels.append(_patching.patch_attr(child, *found))
@@ -164,14 +161,15 @@ def _private_metrics(tag: str) -> dict[str, Any]:
     }
 
 
-def _run_calls(metrics: dict[str, Any], method: dict[str, Callable[[Any], Any]]) -> list[str]:
-    """What each call did (its exception, if any) and the samples after it."""
+def _run_calls(updates: dict[str, tuple[Any, Callable[..., Any]]]) -> list[str]:
+    """What each call did (its exception, if any) and the samples after it; per
+    kind, the metric and the update to call."""
     seen = []
     for kind, calls in _CHECK_CALLS.items():
-        metric = metrics[kind]
+        metric, update = updates[kind]
         for args in calls:
             try:
-                method[kind](metric)(*args)
+                update(*args)
                 outcome = "ok"
             except Exception as exc:  # noqa: BLE001 - compared, not handled
                 outcome = f"{type(exc).__name__}: {exc}"
@@ -179,10 +177,12 @@ def _run_calls(metrics: dict[str, Any], method: dict[str, Callable[[Any], Any]])
     return seen
 
 
-def samples(metric: Any) -> list[tuple[str, dict[str, str], str]]:
+def samples(metric: Any) -> list[tuple[str, dict[str, str], str, Any]]:
     """A metric child's samples, values by repr (so NaN and 0 vs 0.0 compare),
-    without the creation timestamps."""
-    return [(s.name, s.labels, repr(s.value))
+    exemplars by labels and value (not their time), without the creation
+    timestamps."""
+    return [(s.name, s.labels, repr(s.value),
+             (s.exemplar.labels, repr(s.exemplar.value)) if s.exemplar else None)
             for s in metric._samples() if not s.name.endswith("_created")]
 
 
@@ -192,24 +192,17 @@ def self_check() -> str | None:
     on a fixed sequence of calls; else what differed first."""
     stock = _private_metrics("stock")
     fast = _private_metrics("fast")
-    natives: dict[str, Any] = {}
+    expected_updates, native_updates = {}, {}
     for kind, child in fast.items():
         found = fast_method(child)
         if found is None:
             return f"a plain {kind} child does not qualify in this prometheus_client"
-        natives[kind] = found[1]
-    expected = _run_calls(stock, {k: _method_of(k) for k in stock})
-    got = _run_calls(fast, {k: _constant(natives[k]) for k in fast})
+        name, native = found
+        expected_updates[kind] = (stock[kind], getattr(stock[kind], name))
+        native_updates[kind] = (child, native)
+    expected = _run_calls(expected_updates)
+    got = _run_calls(native_updates)
     for want, have in zip(expected, got, strict=True):
         if want != have:
             return f"expected {want}, got {have}"
     return None
-
-
-def _method_of(kind: str) -> Callable[[Any], Any]:
-    name = {"counter": "inc", "gauge": "set", "histogram": "observe"}[kind]
-    return lambda m: getattr(m, name)
-
-
-def _constant(native: Any) -> Callable[[Any], Any]:
-    return lambda _metric: native
