@@ -270,3 +270,108 @@ def test_a_native_update_outliving_its_child_raises_on_fallback() -> None:
     inc(2)  # the plain form needs only the value
     with pytest.raises(ReferenceError):
         inc(-1)  # the fallback needs the child's own method
+
+
+# ------------------------------------------------------------ labels()
+
+LABEL_VALUES = st.one_of(st.sampled_from(["a", "b", "", "é"]), st.integers(0, 2), st.none(),
+                         st.floats(allow_nan=False, width=16))
+
+
+class Name(str):
+    """A str subclass: prometheus_client keys its child by str(value)."""
+
+
+@st.composite
+def labels_op(draw: st.DrawFn) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """One operation on a labelled parent with label names ("k", "j")."""
+    op = draw(st.sampled_from(["labels"] * 8 + ["keywords", "subclass", "remove", "clear"]))
+    args = tuple(draw(st.lists(LABEL_VALUES, min_size=0, max_size=3)))
+    if draw(st.integers(0, 4)) > 0:  # mostly the right count
+        args = tuple(draw(LABEL_VALUES) for _ in range(2))
+    if op == "keywords":
+        names = draw(st.sampled_from([("k", "j"), ("j", "k"), ("k",), ("k", "x")]))
+        return op, (), {n: draw(LABEL_VALUES) for n in names}
+    if op == "subclass":
+        return op, tuple(Name(str(a)) for a in args), {}
+    return op, args, {}
+
+
+def labels_outcome(parent: Any, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Run one operation; for a child returned, say which (its position in the
+    parent) and count it up through its update (native on the fast side)."""
+    try:
+        if op in ("remove", "clear"):
+            getattr(parent, op)(*args)
+            return "ok"
+        child = parent.labels(*args, **kwargs)
+        position = [i for i, c in enumerate(parent._metrics.values()) if c is child]
+        {Counter: child.inc, Gauge: child.inc, Histogram: child.observe}[type(parent)](1)
+    except Exception as exc:  # noqa: BLE001 - compared, not handled
+        return f"{type(exc).__name__}: {exc}"
+    return f"child {position}"
+
+
+@pytest.mark.parametrize("cls", [Counter, Gauge, Histogram])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_native_labels_match_prometheus_client_call_by_call(cls: type, data: st.DataObject) -> None:
+    tag = f"t_labels_{cls.__name__}_{data.draw(st.integers(0, 10**9))}"
+    stock, fast = (cls(f"{tag}_{side}", "doc", ["k", "j"], registry=None) for side in ("stock", "fast"))
+    prom.speed_up([fast])
+    assert type(fast.labels) is _core.FastLabels
+    for op, args, kwargs in data.draw(st.lists(labels_op(), min_size=1, max_size=15)):
+        want = labels_outcome(stock, op, args, kwargs)
+        got = labels_outcome(fast, op, args, kwargs)
+        assert got == want, (op, args, kwargs)
+        assert [prom.samples(c) for c in fast._metrics.values()] == [
+            prom.samples(c) for c in stock._metrics.values()], (op, args, kwargs)
+    # Every child made through the native labels has its native update.
+    method = {Counter: "inc", Gauge: "set", Histogram: "observe"}[cls]
+    assert all(type(vars(c).get(method)).__module__ == "vllm_mmretry._core" for c in fast._metrics.values())
+
+
+def test_self_check_catches_wrong_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Wrong:
+        """Always the first child ever made: wrong once the label values change."""
+
+        def __init__(self, parent: Any, miss: Any) -> None:
+            self.miss, self.first = miss, None
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self.first = self.first or self.miss(*args, **kwargs)
+            return self.first
+
+    monkeypatch.setattr(_core, "FastLabels", Wrong)
+    failure = prom.self_check.__wrapped__()
+    assert failure is not None and failure.startswith("expected labels(1, 'x'){} child [1]")
+
+
+def test_a_dropped_parent_is_freed_with_its_native_labels() -> None:
+    import gc
+    import weakref
+
+    parent = Histogram("t_drop_labels", "doc", ["k"], registry=None)
+    prom.speed_up([parent])
+    parent.labels("a").observe(1.0)
+    labels = parent.labels
+    ref = weakref.ref(parent)
+    del parent
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(ReferenceError):
+        labels("a")  # an existing child needs the parent; the miss path says it is gone
+
+
+def test_restore_gives_live_metrics_their_own_methods_back() -> None:
+    parent = Counter("t_restore", "doc", ["k"], registry=None)
+    single = Gauge("t_restore_single", "doc", registry=None)
+    parent.labels("a")
+    patched = prom.speed_up([[parent, single]])
+    parent.labels("b").inc()  # made after: patched on the way out
+    assert len(patched) == 3 and type(vars(parent.labels("b"))["inc"]) is _core.FastCounterInc
+    restored = [r for r in prom.restore() if "t_restore" in r]  # earlier tests' metrics may live on
+    assert len(restored) == 4, restored
+    for metric in (parent, single, *parent._metrics.values()):
+        assert not {"inc", "set", "observe", "labels"} & set(vars(metric)), metric
+    assert prom.restore() == []

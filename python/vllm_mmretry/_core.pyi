@@ -1,3 +1,4 @@
+import weakref
 from collections.abc import Iterable
 from typing import Any, final
 
@@ -5,6 +6,7 @@ __all__ = [
     "FastCounterInc",
     "FastGaugeSet",
     "FastHistogramObserve",
+    "FastLabels",
     "NativeDetokenizer",
     "NativeVocab",
     "OutputCore",
@@ -147,3 +149,10 @@ class FastGaugeSet:
 class FastHistogramObserve:
     def __new__(cls, sum: Any, buckets: list[Any], bounds: list[float], original: Any) -> FastHistogramObserve: ...
     def __call__(self, *args: Any, **kwargs: Any) -> None: ...
+
+# `labels` of a labelled parent: an existing child for str label values, else
+# `miss` (the parent's own labels); the parent is held by a weak reference.
+@final
+class FastLabels:
+    def __new__(cls, parent: weakref.ReferenceType[Any], miss: Any) -> FastLabels: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

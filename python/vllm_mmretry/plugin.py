@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 from vllm_mmretry import vllm_adapter
@@ -111,6 +112,10 @@ def uninstall() -> list[str]:
     from vllm_mmretry import _patching
 
     restored = _patching.restore_all()
+    # Only loaded once an engine's metrics were sped up.
+    prom = sys.modules.get("vllm_mmretry.prom")
+    if prom is not None:
+        restored.extend(prom.restore())
     restored.extend(_remove_request_output_error())
     _state = None
     return restored

@@ -13,9 +13,12 @@ observable and stores a plain `MutexValue`) gets an instance attribute `inc`, `s
 or `observe`: a native callable (`_core.FastCounterInc`, ... in rust/src/prom/py.rs)
 that makes prometheus_client's update in one call: the same lock, the same Python
 arithmetic on the stored value, the same bucket. Every other form of call (keywords,
-an exemplar, a negative increment) goes to the child's own method. Children in
-multiprocess mode (`--api-server-count > 1`) and children made later by `labels()`
-keep prometheus_client's methods.
+an exemplar, a negative increment) goes to the child's own method. A labelled
+parent gets a `labels` (`_core.FastLabels`) that returns an existing child for
+`str` label values without prometheus_client's checks and lock, and otherwise
+runs the parent's own `labels`, giving a child it makes its native update (vLLM
+looks one child up by labels per message). Children in multiprocess mode
+(`--api-server-count > 1`) keep prometheus_client's methods.
 
 A self-check runs both on private metrics at first use and compares the samples;
 if they differ (another prometheus_client), nothing is replaced (one WARNING).
@@ -34,6 +37,9 @@ from vllm_mmretry.switches import switch_on
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
 
 ENV_SWITCH = "VLLM_MMRETRY_NATIVE_METRICS"
+# Metrics given a native method (metric -> attribute), held weakly: not in
+# _patching's registry, which would keep a dropped stat logger's metrics alive.
+_patched: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 # How deep the walk goes into a logger's attributes (dicts per label, per engine).
 _MAX_DEPTH = 4
 
@@ -68,6 +74,34 @@ def fast_method(child: Any) -> tuple[str, Any] | None:
         # A "mostrecent" gauge passes a timestamp too, which a MutexValue ignores.
         return name, _core.FastGaugeSet(child._value, original)
     return name, _core.FastCounterInc(child._value, original)
+
+
+def fast_labels(parent: Any) -> tuple[str, Any] | None:
+    """The native `labels` for a labelled parent metric, or None when it does
+    not qualify."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    if type(parent) not in (Counter, Gauge, Histogram) or not parent._is_parent():
+        return None
+    if "labels" in vars(parent) or type(getattr(parent, "_metrics", None)) is not dict:
+        return None
+    original = weakref.WeakMethod(parent.labels)
+
+    def labels_then_speed_up(*labelvalues: Any, **labelkwargs: Any) -> Any:
+        """The parent's own `labels`; a child it returns gets its native update."""
+        method = original()
+        if method is None:
+            raise ReferenceError("the metric these labels belong to no longer exists")
+        child = method(*labelvalues, **labelkwargs)
+        found = fast_method(child)
+        if found is not None:
+            try:
+                patch_metric(child, *found)
+            except _patching.PatchError:
+                pass  # another thread made the same child first and patched it
+        return child
+
+    return "labels", _core.FastLabels(weakref.ref(parent), labels_then_speed_up)
 
 
 def metric_children(root: Any) -> Iterator[Any]:
@@ -105,12 +139,33 @@ def speed_up(objects: list[Any]) -> list[str]:
     update; returns the labels patched."""
     labels = []
     for obj in objects:
-        for child in metric_children(obj):
-            # A child reached twice no longer qualifies once it has its update.
-            found = fast_method(child)
+        for metric in metric_children(obj):
+            # A metric reached twice no longer qualifies once it is patched.
+            found = fast_method(metric) or fast_labels(metric)
             if found is not None:
-                labels.append(_patching.patch_attr(child, *found))
+                labels.append(patch_metric(metric, *found))
     return labels
+
+
+def patch_metric(metric: Any, name: str, native: Any) -> str:
+    """Give `metric` the instance attribute `name`; returns a label for it."""
+    label = f"{metric!r}.{name}"
+    if name in vars(metric):
+        raise _patching.PatchError(f"refusing to patch {label} twice")
+    setattr(metric, name, native)
+    _patched[metric] = name
+    return label
+
+
+def restore() -> list[str]:
+    """Give every metric still alive that was patched its own method back."""
+    restored = []
+    for metric, name in list(_patched.items()):
+        if name in vars(metric):
+            delattr(metric, name)
+            restored.append(f"{metric!r}.{name}")
+    _patched.clear()
+    return restored
 
 
 def speed_up_engine(engine: Any) -> int:
@@ -148,6 +203,30 @@ _CHECK_CALLS: dict[str, list[tuple[Any, ...]]] = {
     "gauge": [(3,), (0.5,), (True,), ("2.5",), (-7,), (None,)],
     "histogram": [(0,), (0.001,), (0.0011,), (7,), (1e9,), (math.inf,), (-1.5,), (math.nan,), ("x",)],
 }
+
+
+# `labels` calls (args, kwargs) on a private parent with label names ("k", "j").
+_CHECK_LABELS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    (("a", "x"), {}), (("a", "x"), {}), ((1, "x"), {}), (("1", "x"), {}), ((), {"j": "y", "k": "b"}),
+    (("b", "y"), {}), (("a",), {}), (("a", "x"), {"k": "a"}), ((), {}), ((None, 2.5), {}),
+]
+
+
+def label_outcomes(parent: Any, labels: Callable[..., Any]) -> list[str]:
+    """What each of `_CHECK_LABELS` did through `labels` (the parent's, or a
+    stand-in): its error, or which child it returned (by position in the parent,
+    then counted up by 1), and the parent's samples after it."""
+    seen = []
+    for args, kwargs in _CHECK_LABELS:
+        try:
+            child = labels(*args, **kwargs)
+            position = [i for i, c in enumerate(parent._metrics.values()) if c is child]
+            child.inc()
+            outcome = f"child {position}"
+        except Exception as exc:  # noqa: BLE001 - compared, not handled
+            outcome = f"{type(exc).__name__}: {exc}"
+        seen.append(f"labels{args!r}{kwargs!r} {outcome} {samples(parent)}")
+    return seen
 
 
 def _private_metrics(tag: str) -> dict[str, Any]:
@@ -202,7 +281,22 @@ def self_check() -> str | None:
         native_updates[kind] = (child, native)
     expected = _run_calls(expected_updates)
     got = _run_calls(native_updates)
+    expected += label_outcomes(*_labels_twin("stock", native=False))
+    got += label_outcomes(*_labels_twin("fast", native=True))
     for want, have in zip(expected, got, strict=True):
         if want != have:
             return f"expected {want}, got {have}"
     return None
+
+
+def _labels_twin(tag: str, native: bool) -> tuple[Any, Callable[..., Any]]:
+    """A private labelled counter and its `labels`: its own, or the native one."""
+    from prometheus_client import Counter
+
+    parent = Counter(f"mmretry_check_{tag}_l", "check", ["k", "j"], registry=None)
+    if not native:
+        return parent, parent.labels
+    found = fast_labels(parent)
+    if found is None:
+        raise RuntimeError("a labelled counter does not qualify in this prometheus_client")
+    return parent, found[1]

@@ -1,13 +1,14 @@
 //! Thin PyO3 binding: `_core.FastCounterInc`, `_core.FastGaugeSet` and
 //! `_core.FastHistogramObserve`, callables that stand in for one
-//! prometheus_client child's `inc`, `set` or `observe`. `vllm_mmretry.prom`
-//! decides which children qualify (observable, with `MutexValue` stores) and
-//! hands over their parts. Any call other than the
-//! one-positional form vLLM uses goes to the child's own method, unchanged.
+//! prometheus_client child's `inc`, `set` or `observe`, and `_core.FastLabels`
+//! for a labelled parent's `labels`. `vllm_mmretry.prom` decides which metrics
+//! qualify (observable, with `MutexValue` stores) and hands over their parts.
+//! Any call other than the one-positional form vLLM uses goes to the metric's
+//! own method, unchanged.
 
 use pyo3::exceptions::PyReferenceError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyInt, PyTuple};
+use pyo3::types::{PyDict, PyFloat, PyInt, PyString, PyTuple, PyWeakrefReference};
 
 use crate::core::guarded;
 
@@ -122,6 +123,10 @@ fn dispatch(
     })?
 }
 
+fn is_int_zero(amount: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(amount.is_exact_instance_of::<PyInt>() && amount.extract::<i64>().is_ok_and(|v| v == 0))
+}
+
 /// A single-value child's store and its own method.
 struct Single {
     cell: MutexCell,
@@ -159,6 +164,11 @@ impl FastCounterInc {
             // A negative amount: the original raises prometheus_client's error.
             if amount.lt(0)? {
                 return Ok(None);
+            }
+            // `+= 0` of an int leaves any number the stored value can be as it was
+            // (most of vLLM's increments per message are of zero).
+            if is_int_zero(amount)? {
+                return Ok(Some(()));
             }
             cell.inc(amount.py(), amount).map(Some)
         })
@@ -280,7 +290,61 @@ impl FastHistogramObserve {
     }
 }
 
+/// `labels` for one labelled parent metric. A call with only `str` label values
+/// whose child exists returns that child (`parent._metrics[values]`, what
+/// prometheus_client returns for them); every other call goes to `miss`, which
+/// runs the parent's own `labels`.
+#[pyclass(frozen, module = "vllm_mmretry._core")]
+pub struct FastLabels {
+    /// Weak, as the `original` of the updates above: the parent holds this.
+    parent: Py<PyWeakrefReference>,
+    miss: Py<PyAny>,
+}
+
+#[pymethods]
+impl FastLabels {
+    #[new]
+    fn new(parent: Py<PyWeakrefReference>, miss: Py<PyAny>) -> Self {
+        Self { parent, miss }
+    }
+
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = args.py();
+        let existing = guarded("labels", || self.existing_child(args, kwargs))??;
+        match existing {
+            Some(child) => Ok(child),
+            None => self.miss.bind(py).call(args, kwargs),
+        }
+    }
+}
+
+impl FastLabels {
+    fn existing_child<'py>(
+        &self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = args.py();
+        let plain = kwargs.is_none_or(|k| k.is_empty())
+            && args.iter().all(|a| a.is_exact_instance_of::<PyString>());
+        let Some(parent) = self.parent.bind(py).upgrade().filter(|_| plain) else {
+            return Ok(None);
+        };
+        let metrics = parent.getattr(pyo3::intern!(py, "_metrics"))?;
+        match metrics.cast_exact::<PyDict>() {
+            Ok(d) => d.get_item(args),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<FastLabels>()?;
     m.add_class::<FastCounterInc>()?;
     m.add_class::<FastGaugeSet>()?;
     m.add_class::<FastHistogramObserve>()?;
