@@ -13,7 +13,7 @@ the current RSS (/proc/self/statm) of this process before and after 1M
 request-steps through our processor (after a warm-up), which should be flat.
 
 Usage: python benches/bench_output_loop.py [--quick] [--tokenizer DIR] [--python-detok]
-       [--log-stats] [--drain-every K]
+       [--log-stats] [--drain-every K] [--block K]
 """
 
 from __future__ import annotations
@@ -121,24 +121,32 @@ def timed_step(op: Any, outs: list[EngineCoreOutput]) -> float:
 
 
 def run_pair(
-    tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1
+    tok: Any, ids: list[int], batch: int, steps: int, stop: list[str] | None = None, n: int = 1,
+    block: int = 1,
 ) -> tuple[list[float], list[float]]:
-    """Seconds per process_outputs call of stock and ours, step by step (after warm-up).
+    """Seconds per process_outputs call of stock and ours, paired (after warm-up).
 
-    The two processors take turns every step (who goes first alternates), so both see
-    the same machine: this VM's CPU speed drifts by up to about 2x within seconds
-    (tools/cpu_drift.py), which made runs seconds apart disagree by as much."""
+    The two processors take turns (who goes first alternates), so both see the same
+    machine: this VM's CPU speed drifts by up to about 2x within seconds
+    (tools/cpu_drift.py), which made runs seconds apart disagree by as much. With
+    block=1 they take turns every step. With block=K each runs K steps in a row and
+    the first of them is not timed: it starts with caches holding the other
+    processor's working set, which a server's output loop never does (there, the
+    step before is its own, with its own consumers in between)."""
     sides = [_setup(cls, tok, ids, batch, stop, n) for cls in (StockOP, OurOP)]
     rng = random.Random(0)
     offs = [rng.randrange(len(ids)) for _ in sides[0][2]]
     times: list[list[float]] = [[], []]
-    for s in range(steps):
-        for k in ((0, 1) if s % 2 == 0 else (1, 0)):
+    for start in range(0, steps, block):
+        for k in ((0, 1) if (start // block) % 2 == 0 else (1, 0)):
             op, collectors, child_ids = sides[k]
-            times[k].append(timed_step(op, step_outputs(child_ids, ids, offs, s)))
-            if (s + 1) % DRAIN_EVERY == 0:
-                for q in collectors:
-                    q.get_nowait()
+            for s in range(start, min(start + block, steps)):
+                t = timed_step(op, step_outputs(child_ids, ids, offs, s))
+                if block == 1 or s > start:
+                    times[k].append(t)
+                if (s + 1) % DRAIN_EVERY == 0:
+                    for q in collectors:
+                        q.get_nowait()
     c = sides[1][0].counters()  # every request ran the fast loop, with the detokenizer asked for
     assert c["fallback_steps"] == 0 and c["native_detok"] == (0 if OUR_KW else len(sides[1][2])), c
     return times[0][5:], times[1][5:]
@@ -179,6 +187,8 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--log-stats", action="store_true", help="both processors with log_stats=True and IterationStats")
     ap.add_argument("--repeat", type=int, default=3, help="paired stock/ours runs per row (their steps pooled)")
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps each processor runs in a row, the first untimed (1: turns every step)")
     ap.add_argument("--drain-every", type=int, default=1,
                     help="take the collectors' outputs every K steps (K > 1: outputs are merged)")
     args = ap.parse_args()
@@ -200,17 +210,19 @@ def main() -> None:
     batches = (64, 1024) if args.quick else (64, 256, 1024, 4096)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
-    print(f"statistics {'on' if BOTH_KW['log_stats'] else 'off'}, collectors drained every {DRAIN_EVERY} step(s)")
+    print(f"statistics {'on' if BOTH_KW['log_stats'] else 'off'}, collectors drained every {DRAIN_EVERY} step(s), "
+          f"turns every {max(1, args.block)} step(s)")
     print(f"{'variant':8s} {'batch':>6s} {'stock_us':>9s} {'ours_us':>9s} {'ratio':>6s}")
     rows = []
     for variant in args.variants.split(","):
         cfg = VARIANTS[variant]
         for b in batches:
             steps = 12 if args.quick else (60 if b < 4096 else 25)
+            steps *= 1 if args.block <= 1 else 2  # as many timed steps when a block's first is dropped
             stock_t: list[float] = []
             ours_t: list[float] = []
             for _ in range(1 if args.quick else args.repeat):
-                st, ot = run_pair(tok, ids, b, steps, **cfg)
+                st, ot = run_pair(tok, ids, b, steps, **cfg, block=max(1, args.block))
                 stock_t += st
                 ours_t += ot
             stock = statistics.median(stock_t)
@@ -222,6 +234,7 @@ def main() -> None:
                 "batch": b,
                 "log_stats": BOTH_KW["log_stats"],
                 "drain_every": DRAIN_EVERY,
+                "block": max(1, args.block),
                 "stock_us": round(stock * 1e6 / b, 3),
                 "ours_us": round(ours * 1e6 / b, 3),
                 "ratio": round(statistics.median(paired), 2),

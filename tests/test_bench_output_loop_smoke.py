@@ -23,6 +23,14 @@ def test_run_pair_times_both_sides_every_step(tiny_tokenizer) -> None:
         assert all(t > 0 for t in stock + ours)
 
 
+def test_run_pair_in_blocks_leaves_each_blocks_first_step_untimed(tiny_tokenizer) -> None:
+    ids = tiny_tokenizer.encode(bench_output_loop.TEXT, add_special_tokens=False)
+    stock, ours = bench_output_loop.run_pair(tiny_tokenizer, ids, 8, 24, block=4)
+    # 6 blocks of 4 steps per processor, 3 timed in each: 18, less 5 of warm-up.
+    assert len(stock) == len(ours) == 13
+    assert all(t > 0 for t in stock + ours)
+
+
 def test_rows_carry_paired_ratio_and_spread(tiny_model_path: str) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "bench_output_loop.py"), "--quick", "--tokenizer",
