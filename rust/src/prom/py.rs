@@ -123,8 +123,8 @@ fn dispatch(
     })?
 }
 
-fn is_int_zero(amount: &Bound<'_, PyAny>) -> PyResult<bool> {
-    Ok(amount.is_exact_instance_of::<PyInt>() && amount.extract::<i64>().is_ok_and(|v| v == 0))
+fn is_int_zero(amount: &Bound<'_, PyAny>) -> bool {
+    amount.is_exact_instance_of::<PyInt>() && amount.extract::<i64>().is_ok_and(|v| v == 0)
 }
 
 /// A single-value child's store and its own method.
@@ -167,7 +167,7 @@ impl FastCounterInc {
             }
             // `+= 0` of an int leaves any number the stored value can be as it was
             // (most of vLLM's increments per message are of zero).
-            if is_int_zero(amount)? {
+            if is_int_zero(amount) {
                 return Ok(Some(()));
             }
             cell.inc(amount.py(), amount).map(Some)
