@@ -298,18 +298,16 @@ def labels_op(draw: st.DrawFn) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
 
 
 def labels_outcome(parent: Any, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Run one operation; for a child returned, say which (its position in the
-    parent) and count it up through its update (native on the fast side)."""
-    try:
-        if op in ("remove", "clear"):
+    """Run one operation; for a child returned, say which (prom's single-call
+    helper) and count it up through its update (native on the fast side)."""
+    if op in ("remove", "clear"):
+        try:
             getattr(parent, op)(*args)
-            return "ok"
-        child = parent.labels(*args, **kwargs)
-        position = [i for i, c in enumerate(parent._metrics.values()) if c is child]
-        {Counter: child.inc, Gauge: child.inc, Histogram: child.observe}[type(parent)](1)
-    except Exception as exc:  # noqa: BLE001 - compared, not handled
-        return f"{type(exc).__name__}: {exc}"
-    return f"child {position}"
+        except Exception as exc:  # noqa: BLE001 - compared, not handled
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+    method = {Counter: "inc", Gauge: "inc", Histogram: "observe"}[type(parent)]
+    return prom.labels_outcome(parent, parent.labels, args, kwargs, lambda child: getattr(child, method)(1))
 
 
 @pytest.mark.parametrize("cls", [Counter, Gauge, Histogram])

@@ -212,21 +212,30 @@ _CHECK_LABELS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
 ]
 
 
+def labels_outcome(parent: Any, labels: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any], count_up: Callable[[Any], object]) -> str:
+    """One call of `labels` (the parent's, or a stand-in): its error, or which
+    child it returned (by position in the parent), then counted up by `count_up`."""
+    try:
+        child = labels(*args, **kwargs)
+        position = [i for i, c in enumerate(parent._metrics.values()) if c is child]
+        count_up(child)
+    except Exception as exc:  # noqa: BLE001 - compared, not handled
+        return f"{type(exc).__name__}: {exc}"
+    return f"child {position}"
+
+
 def label_outcomes(parent: Any, labels: Callable[..., Any]) -> list[str]:
-    """What each of `_CHECK_LABELS` did through `labels` (the parent's, or a
-    stand-in): its error, or which child it returned (by position in the parent,
-    then counted up by 1), and the parent's samples after it."""
-    seen = []
-    for args, kwargs in _CHECK_LABELS:
-        try:
-            child = labels(*args, **kwargs)
-            position = [i for i, c in enumerate(parent._metrics.values()) if c is child]
-            child.inc()
-            outcome = f"child {position}"
-        except Exception as exc:  # noqa: BLE001 - compared, not handled
-            outcome = f"{type(exc).__name__}: {exc}"
-        seen.append(f"labels{args!r}{kwargs!r} {outcome} {samples(parent)}")
-    return seen
+    """What each of `_CHECK_LABELS` did through `labels`, and the parent's
+    samples after it."""
+    return [
+        f"labels{args!r}{kwargs!r} {labels_outcome(parent, labels, args, kwargs, _inc)} {samples(parent)}"
+        for args, kwargs in _CHECK_LABELS
+    ]
+
+
+def _inc(child: Any) -> None:
+    child.inc()
 
 
 def _private_metrics(tag: str) -> dict[str, Any]:
