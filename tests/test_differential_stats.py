@@ -30,6 +30,7 @@ from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP
 from vllm.v1.metrics.stats import PrefillStats
 
+from vllm_mmretry import prom
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
 
 TEXT = "The quick brown fox jumps over the lazy dog.\nA cab of zzz, the end."
@@ -67,6 +68,7 @@ def compute_nans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(NANS_ENV, "1" if request.param else "0")
     monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)  # implies it
     _clear_envs_cache()
+    prom.unpin_envs()  # an engine built earlier in this process pinned its value
     assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is request.param
     yield request.param
     monkeypatch.undo()

@@ -7,6 +7,7 @@ metrics sped up, must leave the same `vllm:` samples in the registry."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -245,6 +246,81 @@ def test_a_served_engines_stat_loggers_are_found(vllm_config: Any) -> None:
     native = [c for c in prom.metric_children(loggers[0])
               if any(type(v).__module__ == "vllm_mmretry._core" for v in vars(c).values())]
     assert count > 20 and len(native) == count
+
+
+NANS = "VLLM_COMPUTE_NANS_IN_LOGITS"
+
+
+@pytest.fixture
+def envs_uncached(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """vllm.envs as the API server has it: no environment cache (an in-process
+    engine core earlier in this process may have turned it on), nothing pinned."""
+    import vllm.envs as envs
+
+    prom.unpin_envs()
+    if envs._is_envs_cache_enabled():
+        monkeypatch.setattr(envs, "__getattr__", envs.__getattr__.__wrapped__)
+    monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)  # implies NANS
+    yield envs
+    prom.unpin_envs()
+
+
+def corrupted_samples() -> list[Any]:
+    return [s for s in registry_samples() if s[0].startswith("vllm:corrupted_requests")]
+
+
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_an_engine_build_pins_the_stat_env_reads(vllm_config: Any, envs_uncached: Any,
+                                                 monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """VLLM_COMPUTE_NANS_IN_LOGITS is pinned at each engine build to the value the
+    engine core fixed; vLLM's logger counts corrupted requests as stock does; once
+    unpinned the variable is read from the environment again."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+    from vllm.v1.metrics.stats import IterationStats
+
+    from vllm_mmretry.vllm_adapter import adapter
+
+    envs = envs_uncached
+    monkeypatch.setenv(NANS, value)
+    its = IterationStats()
+    its.num_corrupted_reqs = 3
+    seen = []
+    for fast in (False, True):
+        engine = type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
+        if fast:
+            assert prom.speed_up_engine(engine) > 20
+            assert vars(envs)[NANS] is (value == "1")
+        assert (NANS in vars(envs)) is fast
+        adapter().prometheus_stat_loggers(engine)[0].record(scheduler_stats=None, iteration_stats=its, engine_idx=0)
+        seen.append(corrupted_samples())
+    assert seen[1] == seen[0]
+    assert any(s[2] == "3.0" for s in seen[0]) is (value == "1")
+    # A later change is seen at the next engine build, or once unpinned.
+    monkeypatch.setenv(NANS, "0" if value == "1" else "1")
+    assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is (value == "1")
+    prom.speed_up_engine(type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config,
+                                                                                  engine_idxs=[0])})())
+    assert vars(envs)[NANS] is (value != "1")
+    assert prom.unpin_envs() == [f"vllm.envs.{NANS}"]
+    monkeypatch.setenv(NANS, value)
+    assert NANS not in vars(envs) and envs.VLLM_COMPUTE_NANS_IN_LOGITS is (value == "1")
+
+
+def test_nothing_is_pinned_where_vllm_caches_its_environment(vllm_config: Any, envs_uncached: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process whose environment vLLM caches (an in-process engine core), the
+    cache already answers; and with native metrics switched off nothing is pinned."""
+    import functools
+
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    envs = envs_uncached
+    engine = type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
+    monkeypatch.setattr(envs, "__getattr__", functools.cache(envs.__getattr__))
+    assert prom.speed_up_engine(engine) > 20 and NANS not in vars(envs)
+    monkeypatch.undo()
+    monkeypatch.setenv(prom.ENV_SWITCH, "0")
+    assert prom.speed_up_engine(engine) == 0 and NANS not in vars(envs)
 
 
 def test_a_dropped_child_is_freed_with_its_native_update() -> None:

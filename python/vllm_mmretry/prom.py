@@ -20,9 +20,15 @@ runs the parent's own `labels`, giving a child it makes its native update (vLLM
 looks one child up by labels per message). Children in multiprocess mode
 (`--api-server-count > 1`) keep prometheus_client's methods.
 
+The vllm.envs variables `record` reads on every call (one today,
+VLLM_COMPUTE_NANS_IN_LOGITS) are pinned as module attributes when an engine is
+built, to the values its engine core fixed at its start; the API server otherwise
+evaluates each through `os.getenv` per message, as vLLM's engine core stopped
+doing (it caches its environment at start-up).
+
 A self-check runs both on private metrics at first use and compares the samples;
 if they differ (another prometheus_client), nothing is replaced (one WARNING).
-VLLM_MMRETRY_NATIVE_METRICS=0 turns this off."""
+VLLM_MMRETRY_NATIVE_METRICS=0 turns all of this off."""
 
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 from vllm_mmretry import _core, _patching
@@ -40,6 +47,9 @@ ENV_SWITCH = "VLLM_MMRETRY_NATIVE_METRICS"
 # Metrics given a native method (metric -> attribute), held weakly: not in
 # _patching's registry, which would keep a dropped stat logger's metrics alive.
 _patched: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# vllm.envs values set as module attributes by pin_stat_env_reads (name -> (module, value)).
+_pinned_envs: dict[str, tuple[ModuleType, Any]] = {}
+_MISSING = object()
 # How deep the walk goes into a logger's attributes (dicts per label, per engine).
 _MAX_DEPTH = 4
 
@@ -157,9 +167,38 @@ def patch_metric(metric: Any, name: str, native: Any) -> str:
     return label
 
 
+def pin_stat_env_reads() -> dict[str, Any]:
+    """Set the vllm.envs variables vLLM's statistics code reads on every message
+    as module attributes, holding the values the engine core just built fixed at
+    its start. Each read otherwise costs 3-4 µs (`vllm.envs.__getattr__`, then
+    `os.getenv` raising and catching a KeyError for an unset variable). Re-read
+    at every engine build; `unpin_envs()` removes them."""
+    envs, names = adapter().stat_env_reads()
+    if envs is None:
+        return {}
+    unpin_envs()
+    for name in names:
+        value = getattr(envs, name)  # vLLM's own read, with no pin in the way
+        setattr(envs, name, value)
+        _pinned_envs[name] = (envs, value)
+    return {name: value for name, (_, value) in _pinned_envs.items()}
+
+
+def unpin_envs() -> list[str]:
+    """Remove the pinned vllm.envs values: reads go to vllm.envs.__getattr__ again."""
+    unpinned = []
+    for name, (envs, value) in _pinned_envs.items():
+        if vars(envs).get(name, _MISSING) is value:
+            delattr(envs, name)
+            unpinned.append(f"{envs.__name__}.{name}")
+    _pinned_envs.clear()
+    return unpinned
+
+
 def restore() -> list[str]:
-    """Give every metric still alive that was patched its own method back."""
-    restored = []
+    """Give every metric still alive that was patched its own method back, and
+    unpin the vllm.envs values."""
+    restored = unpin_envs()
     for metric, name in list(_patched.items()):
         if name in vars(metric):
             delattr(metric, name)
@@ -176,6 +215,7 @@ def speed_up_engine(engine: Any) -> int:
     loggers = adapter().prometheus_stat_loggers(engine)
     if not loggers:
         return 0
+    pin_stat_env_reads()
     try:
         failure = self_check()
         count = 0 if failure is not None else len(speed_up(loggers))

@@ -406,6 +406,12 @@ class VllmAdapter(abc.ABC):
     def prometheus_stat_loggers(self, engine: Any) -> list[Any]:
         """The engine's Prometheus stat loggers ([] when statistics are off)."""
 
+    def stat_env_reads(self) -> tuple[ModuleType | None, list[str]]:
+        """vLLM's environment module and the variables its statistics code reads
+        on every call that the engine core fixes at its start ([] when this
+        process caches vLLM's environment already, or when none is known)."""
+        return None, []
+
     @abc.abstractmethod
     def miss_error(self, hashes: list[str]) -> Any: ...
 

@@ -129,6 +129,8 @@ _METHOD_OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("LoRARequestStates", ("request_finished",)),
     ("IterationStats", ("update_from_output",)),
 )
+# vllm.envs variables vLLM's statistics code reads per message (Adapter.stat_env_reads).
+STAT_ENV_READS = ("VLLM_COMPUTE_NANS_IN_LOGITS",)
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2, "error": 3, "repetition": 4}
 # RequestOutput fields set from the request at add time (the rest per output).
 RO_PER_REQUEST = ("request_id", "prompt", "prompt_token_ids", "metrics", "lora_request")
@@ -961,6 +963,17 @@ class Adapter(VllmAdapter):
         manager = getattr(engine, "logger_manager", None)
         loggers = getattr(manager, "stat_loggers", None) or []
         return [lg for lg in loggers if isinstance(lg, PrometheusStatLogger)]
+
+    def stat_env_reads(self) -> tuple[ModuleType | None, list[str]]:
+        import vllm.envs as envs
+
+        # Read through vllm.envs.__getattr__ and os.getenv on every call: in
+        # PrometheusStatLogger.record (once per engine-output message) and in
+        # IterationStats.update_from_output. The engine core caches every variable
+        # at its start (EngineCore.__init__: enable_envs_cache); the API server never does.
+        if envs._is_envs_cache_enabled():
+            return envs, []
+        return envs, [name for name in STAT_ENV_READS if name in envs.environment_variables]
 
     def miss_error(self, hashes: list[str]) -> Any:
         return miss_error(hashes)
