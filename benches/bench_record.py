@@ -1,7 +1,8 @@
 """vLLM's `PrometheusStatLogger.record` with prometheus_client's own metric updates
 (stock) and with the native ones (prom.py), side by side in one process.
 
-Two loggers are built from the tiny model's config; one gets `prom.speed_up`. They
+Two loggers are built from the tiny model's config; one gets `prom.speed_up`, and
+the vllm.envs reads `record` makes are pinned while it runs (as at an engine build). They
 record the same per-message statistics in alternating blocks (who goes first
 alternates), so both see the same machine, and the ratio is taken block by block.
 The statistics are what one engine-output message of the served benchmark carries:
@@ -76,16 +77,22 @@ def main() -> None:
     patched = len(prom.speed_up([fast]))
     rng = random.Random(0)
     times: dict[str, list[float]] = {"stock": [], "native": []}
+    pinned: dict[str, Any] = {}
     for b in range(args.blocks + 2):
         block = [message_stats(rng) for _ in range(args.per_block)]
         order = [("stock", stock), ("native", fast)]
         for name, logger in (order if b % 2 == 0 else order[::-1]):
+            # The pinned vllm.envs reads are process-wide: only while the native side runs.
+            if name == "native":
+                pinned.update(prom.pin_stat_env_reads())
             t = timed_block(logger, block)
+            prom.unpin_envs()
             if b >= 2:  # the first two blocks warm up
                 times[name].append(t)
     ratios = sorted(s / n for s, n in zip(times["stock"], times["native"], strict=True))
     row = {
         "patched_metrics": patched,
+        "pinned_envs": sorted(pinned),
         "stock_us": round(statistics.median(times["stock"]) * 1e6, 2),
         "native_us": round(statistics.median(times["native"]) * 1e6, 2),
         "ratio": round(statistics.median(ratios), 2),
