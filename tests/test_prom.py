@@ -308,17 +308,25 @@ def test_an_engine_build_pins_the_stat_env_reads(vllm_config: Any, envs_uncached
 
 def test_nothing_is_pinned_where_vllm_caches_its_environment(vllm_config: Any, envs_uncached: Any,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a process whose environment vLLM caches (an in-process engine core), the
-    cache already answers; and with native metrics switched off nothing is pinned."""
+    """Nothing is pinned in a process whose environment vLLM caches (an in-process
+    engine core: the cache answers), for a value vLLM cannot read, or with native
+    metrics switched off."""
     import functools
 
     from vllm.v1.metrics.loggers import StatLoggerManager
 
     envs = envs_uncached
     engine = type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
-    monkeypatch.setattr(envs, "__getattr__", functools.cache(envs.__getattr__))
+    uncached = envs.__getattr__
+    monkeypatch.setattr(envs, "__getattr__", functools.cache(uncached))
     assert prom.speed_up_engine(engine) > 20 and NANS not in vars(envs)
-    monkeypatch.undo()
+    monkeypatch.setattr(envs, "__getattr__", uncached)
+    # A value vLLM cannot read is left to raise where vLLM reads it.
+    monkeypatch.setenv(NANS, "yes")
+    assert prom.speed_up_engine(engine) > 20 and NANS not in vars(envs)
+    with pytest.raises(ValueError):
+        envs.VLLM_COMPUTE_NANS_IN_LOGITS  # noqa: B018 - the read is the test
+    monkeypatch.setenv(NANS, "1")
     monkeypatch.setenv(prom.ENV_SWITCH, "0")
     assert prom.speed_up_engine(engine) == 0 and NANS not in vars(envs)
 
