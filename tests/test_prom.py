@@ -265,6 +265,13 @@ def envs_uncached(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     prom.unpin_envs()
 
 
+def engine_with_stat_loggers(vllm_config: Any) -> Any:
+    """An object holding a real StatLoggerManager where an engine does."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    return type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
+
+
 def corrupted_samples() -> list[Any]:
     return [s for s in registry_samples() if s[0].startswith("vllm:corrupted_requests")]
 
@@ -275,7 +282,6 @@ def test_an_engine_build_pins_the_stat_env_reads(vllm_config: Any, envs_uncached
     """VLLM_COMPUTE_NANS_IN_LOGITS is pinned at each engine build to the value the
     engine core fixed; vLLM's logger counts corrupted requests as stock does; once
     unpinned the variable is read from the environment again."""
-    from vllm.v1.metrics.loggers import StatLoggerManager
     from vllm.v1.metrics.stats import IterationStats
 
     from vllm_mmretry.vllm_adapter import adapter
@@ -286,7 +292,7 @@ def test_an_engine_build_pins_the_stat_env_reads(vllm_config: Any, envs_uncached
     its.num_corrupted_reqs = 3
     seen = []
     for fast in (False, True):
-        engine = type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
+        engine = engine_with_stat_loggers(vllm_config)
         if fast:
             assert prom.speed_up_engine(engine) > 20
             assert vars(envs)[NANS] is (value == "1")
@@ -298,8 +304,7 @@ def test_an_engine_build_pins_the_stat_env_reads(vllm_config: Any, envs_uncached
     # A later change is seen at the next engine build, or once unpinned.
     monkeypatch.setenv(NANS, "0" if value == "1" else "1")
     assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is (value == "1")
-    prom.speed_up_engine(type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config,
-                                                                                  engine_idxs=[0])})())
+    prom.speed_up_engine(engine_with_stat_loggers(vllm_config))
     assert vars(envs)[NANS] is (value != "1")
     assert prom.unpin_envs() == [f"vllm.envs.{NANS}"]
     monkeypatch.setenv(NANS, value)
@@ -313,22 +318,20 @@ def test_nothing_is_pinned_where_vllm_caches_its_environment(vllm_config: Any, e
     metrics switched off."""
     import functools
 
-    from vllm.v1.metrics.loggers import StatLoggerManager
-
     envs = envs_uncached
-    engine = type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
     uncached = envs.__getattr__
     monkeypatch.setattr(envs, "__getattr__", functools.cache(uncached))
-    assert prom.speed_up_engine(engine) > 20 and NANS not in vars(envs)
+    assert prom.speed_up_engine(engine_with_stat_loggers(vllm_config)) > 20 and NANS not in vars(envs)
     monkeypatch.setattr(envs, "__getattr__", uncached)
     # A value vLLM cannot read is left to raise where vLLM reads it.
+    engine = engine_with_stat_loggers(vllm_config)  # vLLM reads it while building the loggers too
     monkeypatch.setenv(NANS, "yes")
     assert prom.speed_up_engine(engine) > 20 and NANS not in vars(envs)
     with pytest.raises(ValueError):
         envs.VLLM_COMPUTE_NANS_IN_LOGITS  # noqa: B018 - the read is the test
     monkeypatch.setenv(NANS, "1")
     monkeypatch.setenv(prom.ENV_SWITCH, "0")
-    assert prom.speed_up_engine(engine) == 0 and NANS not in vars(envs)
+    assert prom.speed_up_engine(engine_with_stat_loggers(vllm_config)) == 0 and NANS not in vars(envs)
 
 
 def test_a_dropped_child_is_freed_with_its_native_update() -> None:
