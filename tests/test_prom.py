@@ -229,16 +229,18 @@ def test_vllms_stat_logger_leaves_stock_samples(vllm_config: Any, stream: list[A
     assert seen[0] and seen[1] == seen[0]
 
 
-def test_a_served_engines_stat_loggers_are_found(vllm_config: Any) -> None:
-    """The adapter finds the Prometheus logger in vLLM's StatLoggerManager."""
+def engine_with_stat_loggers(vllm_config: Any) -> Any:
+    """An object holding a real StatLoggerManager where an engine does."""
     from vllm.v1.metrics.loggers import StatLoggerManager
 
+    return type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
+
+
+def test_a_served_engines_stat_loggers_are_found(vllm_config: Any) -> None:
+    """The adapter finds the Prometheus logger in vLLM's StatLoggerManager."""
     from vllm_mmretry.vllm_adapter import adapter
 
-    class Engine:
-        logger_manager = StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])
-
-    engine = Engine()
+    engine = engine_with_stat_loggers(vllm_config)
     loggers = adapter().prometheus_stat_loggers(engine)
     assert [type(lg).__name__ for lg in loggers] == ["PrometheusStatLogger"]
     assert adapter().prometheus_stat_loggers(object()) == []
@@ -263,13 +265,6 @@ def envs_uncached(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.delenv("VLLM_RAISE_ON_LOGIT_NANS", raising=False)  # implies NANS
     yield envs
     prom.unpin_envs()
-
-
-def engine_with_stat_loggers(vllm_config: Any) -> Any:
-    """An object holding a real StatLoggerManager where an engine does."""
-    from vllm.v1.metrics.loggers import StatLoggerManager
-
-    return type("Engine", (), {"logger_manager": StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0])})()
 
 
 def corrupted_samples() -> list[Any]:
