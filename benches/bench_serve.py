@@ -13,7 +13,10 @@ Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32
 prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
 at each concurrency with 4 x concurrency requests (--prompts-factor). Repeats alternate the
 configurations (the order rotates every repeat), so load changes on a shared machine hit
-all of them.
+all of them. After the closed-loop rows of an endpoint, open-loop rows at each of --rates
+(default 30 requests/s, Poisson arrivals, 6 s per run) on the statistics-on configurations:
+the same offered load, below stock's saturation, is where inter-token latency compares
+fairly (at saturation stock's responses arrive whole: see load_points()).
 
 Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
 vllm-bench's steady-state window (whole run when it has none) with its min-max; output
@@ -55,6 +58,8 @@ from servers import free_port, server_env  # noqa: E402
 MOCK_DIR = ROOT / ".cache" / "mock-engine"  # where `make mock-engine` puts both binaries
 CALL_TIMES_SITE = ROOT / "tools" / "call_times"  # a sitecustomize, put on PYTHONPATH
 PROMPT_LEN, OUTPUT_LEN = 32, 256
+# Open-loop runs: a cap on requests in flight that a run below saturation never reaches.
+PACED_CONCURRENCY = 256
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
 ALL_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off", "rust/off")
@@ -219,8 +224,8 @@ def serving(names: list[str], model: str, tools: Tools, log_dir: pathlib.Path,
             stop_proc(fe.engine)
 
 
-def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str,
-              concurrency: int, num_prompts: int, result: pathlib.Path, seed: int) -> list[str]:
+def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency: int,
+              num_prompts: int, result: pathlib.Path, seed: int, rate: float | None = None) -> list[str]:
     return [str(tools.vllm_rs), "bench", "serve",
             "--backend", ENDPOINT_BACKEND[endpoint], "--base-url", fe.base_url,
             "--model", model, "--tokenizer", model, "--dataset-name", "random",
@@ -229,14 +234,17 @@ def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str,
             "--max-concurrency", str(concurrency), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
-            "--result-filename", result.name]
+            "--result-filename", result.name, "--request-rate", "inf" if rate is None else str(rate)]
 
 
 def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency: int,
-             num_prompts: int, work: pathlib.Path, seed: int = 0) -> dict[str, float]:
-    """One closed-loop load run against one front end; returns the row's measurements."""
+             num_prompts: int, work: pathlib.Path, seed: int = 0,
+             rate: float | None = None) -> dict[str, float]:
+    """One load run against one front end, closed loop (`rate` None: all requests queued
+    at once, at most `concurrency` in flight) or open (`rate` requests/s, Poisson
+    arrivals); returns the row's measurements."""
     result = work / f"{fe.name.replace('/', '-')}-{endpoint}-{concurrency}-{time.monotonic_ns()}.json"
-    cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed)
+    cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed, rate)
     calls0 = call_snapshot(fe)
     cpu0 = cpu_seconds(fe.api_pid)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
@@ -326,27 +334,48 @@ def rotated(items: list[str], k: int) -> list[str]:
     return items[k:] + items[:k]
 
 
+# A row: (configuration, endpoint, concurrency, request rate; None = closed loop).
+RowKey = tuple[str, str, int, float | None]
+
+
+def load_points(args: argparse.Namespace, names: list[str], rep: int
+                ) -> Iterator[tuple[str, str, int, float | None, int]]:
+    """One repeat's runs: (configuration, endpoint, concurrency, rate, requests).
+
+    Closed loop at every concurrency (throughput at saturation), then open loop at each
+    of --rates on the statistics-on configurations: the same offered load for all,
+    below stock's saturation, where inter-token latency compares fairly. At saturation
+    the mock engine is far ahead of a Python front end, whose deltas merge in the
+    collector until a response arrives whole: TPOT is then 0 and ITL only measures the
+    rare split response."""
+    for endpoint in args.endpoints:
+        for conc in args.concurrency:
+            for name in rotated(names, rep):
+                if not (name.endswith("/off") and endpoint not in args.off_endpoints):
+                    yield name, endpoint, conc, None, num_prompts_for(conc, args.prompts_factor)
+        for rate in args.rates:
+            for name in rotated(names, rep):
+                if name.endswith("/on"):
+                    yield name, endpoint, PACED_CONCURRENCY, rate, max(8, int(rate * args.paced_seconds))
+
+
 def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
-            work: pathlib.Path) -> dict[tuple[str, str, int], list[dict[str, float]]]:
-    """All repeats; every repeat runs every (endpoint, concurrency) on every configuration."""
-    names = list(fes)
-    runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+            work: pathlib.Path) -> dict[RowKey, list[dict[str, float]]]:
+    """All repeats; every repeat runs every load point on every configuration."""
+    runs: dict[RowKey, list[dict[str, float]]] = {}
     for rep in range(args.repeat):
-        for endpoint in args.endpoints:
-            for conc in args.concurrency:
-                n = num_prompts_for(conc, args.prompts_factor)
-                for name in rotated(names, rep):
-                    if name.endswith("/off") and endpoint not in args.off_endpoints:
-                        continue
-                    m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep)
-                    m["repeat"] = rep
-                    runs.setdefault((name, endpoint, conc), []).append(m)
-                    calls = m.get("calls")
-                    per_msg = (f"  {calls['outputs_per_msg']:.1f} outputs/msg "
-                               f"{calls['cpu_us_per_msg']:.0f} µs/msg" if calls else "")
-                    print(f"  repeat {rep} {endpoint:11s} c={conc:<4d} {name:10s} "
-                          f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s{per_msg}  "
-                          f"[{time.monotonic() - args.t0:.0f}s]", flush=True)
+        for name, endpoint, conc, rate, n in load_points(args, list(fes), rep):
+            m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep, rate=rate)
+            m["repeat"] = rep
+            runs.setdefault((name, endpoint, conc, rate), []).append(m)
+            calls = m.get("calls")
+            per_msg = (f"  {calls['outputs_per_msg']:.1f} outputs/msg "
+                       f"{calls['cpu_us_per_msg']:.0f} µs/msg" if calls else "")
+            load = f"c={conc:<4d}" if rate is None else f"{rate:g}/s"
+            print(f"  repeat {rep} {endpoint:11s} {load:6s} {name:10s} "
+                  f"{m['req_s']:8.2f} req/s  cpu/1k {m['cpu_per_1k']:.3f}s  "
+                  f"ITL p99 {m['itl_p99']:.1f} ms{per_msg}  "
+                  f"[{time.monotonic() - args.t0:.0f}s]", flush=True)
     return runs
 
 
@@ -355,11 +384,11 @@ def baseline_of(name: str) -> str:
     return "stock/" + name.split("/")[1]
 
 
-def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]]:
     rows = []
-    for (name, endpoint, conc), ms in runs.items():
+    for (name, endpoint, conc, rate), ms in runs.items():
         row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
-                               "repeats": len(ms)}
+                               "request_rate": rate, "repeats": len(ms)}
         for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
                     "e2el_p50", "cpu_per_1k"):
             vals = [m[key] for m in ms]
@@ -372,7 +401,7 @@ def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[
         if all("calls" in m for m in ms):
             row["calls"] = {k: round(statistics.median(m["calls"][k] for m in ms), 3)
                             for k in ms[0]["calls"]}
-        base = runs.get((baseline_of(name), endpoint, conc))
+        base = runs.get((baseline_of(name), endpoint, conc, rate))
         if base and name != baseline_of(name):
             by_rep = {m["repeat"]: m["req_s"] for m in base}
             ratios = [m["req_s"] / by_rep[m["repeat"]] for m in ms if m["repeat"] in by_rep]
@@ -381,19 +410,22 @@ def summarize(runs: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[
             row["vs_stock_min"], row["vs_stock_max"] = round(min(ratios), 2), round(max(ratios), 2)
         rows.append(row)
     order = {n: i for i, n in enumerate(ALL_CONFIGS)}
-    rows.sort(key=lambda r: (r["endpoint"], r["concurrency"], order.get(r["config"], 99)))
+    rows.sort(key=lambda r: (r["request_rate"] is not None, r["endpoint"], r["request_rate"] or 0,
+                             r["concurrency"], order.get(r["config"], 99)))
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """A Markdown table (reads in a terminal, pastes into the README)."""
-    print("| endpoint | conc | config | req/s (min-max) | out tok/s | TTFT p50 / p99 ms "
+    """A Markdown table (reads in a terminal, pastes into the README); open-loop rows
+    show their rate (requests/s offered) in the load column."""
+    print("| endpoint | load | config | req/s (min-max) | out tok/s | TTFT p50 / p99 ms "
           "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms | API CPU s / 1k tok | vs stock (min-max) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = (f"**{r['vs_stock']:.2f}** ({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})"
                  if "vs_stock" in r else "-")
-        print(f"| {r['endpoint']} | {r['concurrency']} | {r['config']} "
+        load = r["concurrency"] if r["request_rate"] is None else f"{r['request_rate']:g}/s"
+        print(f"| {r['endpoint']} | {load} | {r['config']} "
               f"| {r['req_s']:.2f} ({r['req_s_min']:.2f}-{r['req_s_max']:.2f}) | {r['tok_s']:.0f} "
               f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['itl_p50']:.2f} / {r['itl_p99']:.2f} "
               f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['cpu_per_1k']:.3f} | {ratio} |")
@@ -404,14 +436,15 @@ def print_call_times(rows: list[dict[str, Any]]) -> None:
     timed = [r for r in rows if "calls" in r]
     if not timed:
         return
-    print("\n| endpoint | conc | config | msgs / req | outputs / msg | API CPU µs / msg "
+    print("\n| endpoint | load | config | msgs / req | outputs / msg | API CPU µs / msg "
           "| process_outputs µs (share) | record µs (share) | decode µs (share) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in timed:
         c = r["calls"]
         parts = " | ".join(f"{c[k + '_us_per_msg']:.1f} ({100 * c[k + '_cpu_share']:.0f} %)"
                            for k in ("process_outputs", "record", "decode"))
-        print(f"| {r['endpoint']} | {r['concurrency']} | {r['config']} | {c['msgs_per_req']:.0f} "
+        load = r["concurrency"] if r["request_rate"] is None else f"{r['request_rate']:g}/s"
+        print(f"| {r['endpoint']} | {load} | {r['config']} | {c['msgs_per_req']:.0f} "
               f"| {c['outputs_per_msg']:.1f} | {c['cpu_us_per_msg']:.0f} | {parts} |")
 
 
@@ -425,6 +458,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--off-endpoints", default="chat",
                     help="endpoints the statistics-off configurations run (time budget)")
+    ap.add_argument("--rates", default="30",
+                    help="open-loop request rates (requests/s, comma-separated; '' for none), "
+                         "run on the statistics-on configurations after the closed-loop rows")
+    ap.add_argument("--paced-seconds", type=float, default=6.0,
+                    help="length of an open-loop run: rate x this many requests")
     ap.add_argument("--prompts-factor", type=float, default=4.0,
                     help="requests per run = concurrency x this (closed loop); at 1.5 a run "
                          "was 2-3 s of ramp-up and its req/s bimodal")
@@ -442,8 +480,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeat, args.concurrency, args.endpoints = 1, "8", "chat"
+        args.paced_seconds = 2.0
         args.configs = "stock/on,plugin/on,rust/on"
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    args.rates = [float(r) for r in str(args.rates).split(",") if r.strip()]
     args.endpoints = args.endpoints.split(",")
     args.off_endpoints = args.off_endpoints.split(",")
     args.configs = args.configs.split(",")

@@ -37,8 +37,12 @@ def quick_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], pa
     return rows, out
 
 
+def closed_loop(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["request_rate"] is None]
+
+
 def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
-    rows, _ = quick_rows
+    rows = closed_loop(quick_rows[0])
     assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
     for r in rows:
         assert (r["endpoint"], r["concurrency"], r["repeats"]) == ("chat", 8, 1)
@@ -61,8 +65,25 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
         assert by[name]["vs_stock_repeats"] == [by[name]["vs_stock"]]
 
 
+def test_open_loop_rows_keep_the_offered_rate(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
+    """--quick's open-loop pass: 30 requests/s for 2 s on each configuration, far below
+    what any of them serves, so each completes them at about the offered rate."""
+    rows = [r for r in quick_rows[0] if r["request_rate"] is not None]
+    assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
+    for r in rows:
+        assert (r["endpoint"], r["request_rate"], r["repeats"]) == ("chat", 30.0, 1)
+        assert r["concurrency"] == bench_serve.PACED_CONCURRENCY
+        # 60 Poisson arrivals; the run ends with the last response, a little after 2 s
+        assert 10 < r["req_s"] < 60
+        assert r["tok_s"] == pytest.approx(256 * r["req_s"], rel=0.02)
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"] and 0 <= r["itl_p50"] <= r["itl_p99"]
+    by = {r["config"]: r for r in rows}
+    assert by["plugin/on"]["vs_stock"] == pytest.approx(
+        by["plugin/on"]["req_s"] / by["stock/on"]["req_s"], rel=0.02)
+
+
 def test_call_times_account_every_message(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
-    by = {r["config"]: r for r in quick_rows[0]}
+    by = {r["config"]: r for r in closed_loop(quick_rows[0])}
     assert "calls" not in by["rust/on"]  # not a Python process
     for name in ("stock/on", "plugin/on"):
         c = by[name]["calls"]
