@@ -10,6 +10,7 @@ message streams sent in bursts (messages waiting) and one by one (the task waiti
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 from typing import Any
 
@@ -306,6 +307,44 @@ def test_the_installed_starter_makes_the_socket_ready_first() -> None:
             wire.close()
 
     assert asyncio.run(go()) == (True, True, "a")
+
+
+def test_a_started_client_calls_vllms_starter_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM calls the starter before every read: once the task runs, the client's calls
+    go to vLLM's starter without entering the wrapper (it would have nothing to do),
+    outputs still flow, and the client holds no cycle through it."""
+    owner, name = AsyncMPClient, "_ensure_output_queue_task"
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam)
+    entered: list[int] = []
+
+    def counted_socket(client: Any) -> Any:
+        entered.append(1)
+        return seam.output_socket(client)
+
+    counting = ReceiveSeam(seam.owner, seam.method, counted_socket)
+    monkeypatch.setattr(owner, name, receive._starting_task(vllm_start(), counting, ready_first=True,
+                                                            reader=None))
+
+    async def go() -> tuple[int, Any, bool, str]:
+        wire = Wire(ready_first=False)
+        try:
+            for _ in range(3):
+                wire.client._ensure_output_queue_task()
+            entered_then = len(entered)  # before and after the one start
+            task = wire.client.resources.output_queue_task
+            wire.client._ensure_output_queue_task()
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            return (entered_then, wire.client.resources.output_queue_task is task,
+                    receive.is_ready_first(wire.pull), item.outputs[0].request_id)
+        finally:
+            wire.close()
+
+    assert asyncio.run(go()) == (2, True, True, "a")
+    client = object.__new__(AsyncMPClient)
+    receive.hand_back(client, name, vllm_start())
+    assert gc.get_referrers(client) == []  # only this frame's local refers to it
 
 
 def test_a_started_task_is_left_alone() -> None:

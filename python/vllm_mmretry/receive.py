@@ -26,7 +26,9 @@ the native decoder is used only with VLLM_MMRETRY_NATIVE_DECODE=1."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +116,10 @@ def install() -> list[str]:
 def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bool,
                    reader: Callable[[], _core.OutputsReader | None] | None) -> Any:
     """vLLM's output-task starter that first makes the socket ready-first and gives
-    the client the native decoder (`reader` builds the decoder's reader)."""
+    the client the native decoder (`reader` builds the decoder's reader).
+
+    vLLM calls the starter before every read of an output; once the task runs there
+    is nothing left to do, so the client gets vLLM's own starter back (`hand_back`)."""
     @functools.wraps(start)
     def start_output_task(client: Any, *args: Any, **kwargs: Any) -> Any:
         sock = seam.output_socket(client)
@@ -123,9 +128,25 @@ def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bo
         # Only before the task starts: it takes the client's decoder once, then.
         if reader is not None and sock is not None:
             give_native_decoder(client, seam, reader)
-        return start(client, *args, **kwargs)
+        result = start(client, *args, **kwargs)
+        if seam.output_socket(client) is None:
+            hand_back(client, seam.method, start)
+        return result
 
     return start_output_task
+
+
+def hand_back(client: Any, method: str, start: Callable[..., Any]) -> None:
+    """Give `client` (this instance only) vLLM's `start` as its `method`, bound through a
+    weak reference: a bound method would be a cycle, and vLLM cleans a client's
+    sockets up when it is collected (weakref.finalize)."""
+    with contextlib.suppress(AttributeError, TypeError):  # __slots__ or a frozen client
+        setattr(client, method, functools.partial(_call_started, weakref.ref(client), start))
+
+
+def _call_started(client_ref: weakref.ref[Any], start: Callable[..., Any],
+                  *args: Any, **kwargs: Any) -> Any:
+    return start(client_ref(), *args, **kwargs)
 
 
 def give_native_decoder(client: Any, seam: ReceiveSeam,
