@@ -415,6 +415,12 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
     return rows
 
 
+def load_label(row: dict[str, Any]) -> str:
+    """A row's load: its concurrency (closed loop) or its offered rate (open loop)."""
+    rate = row["request_rate"]
+    return str(row["concurrency"]) if rate is None else f"{rate:g}/s"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """A Markdown table (reads in a terminal, pastes into the README); open-loop rows
     show their rate (requests/s offered) in the load column."""
@@ -424,7 +430,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         ratio = (f"**{r['vs_stock']:.2f}** ({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})"
                  if "vs_stock" in r else "-")
-        load = r["concurrency"] if r["request_rate"] is None else f"{r['request_rate']:g}/s"
+        load = load_label(r)
         print(f"| {r['endpoint']} | {load} | {r['config']} "
               f"| {r['req_s']:.2f} ({r['req_s_min']:.2f}-{r['req_s_max']:.2f}) | {r['tok_s']:.0f} "
               f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['itl_p50']:.2f} / {r['itl_p99']:.2f} "
@@ -443,7 +449,7 @@ def print_call_times(rows: list[dict[str, Any]]) -> None:
         c = r["calls"]
         parts = " | ".join(f"{c[k + '_us_per_msg']:.1f} ({100 * c[k + '_cpu_share']:.0f} %)"
                            for k in ("process_outputs", "record", "decode"))
-        load = r["concurrency"] if r["request_rate"] is None else f"{r['request_rate']:g}/s"
+        load = load_label(r)
         print(f"| {r['endpoint']} | {load} | {r['config']} | {c['msgs_per_req']:.0f} "
               f"| {c['outputs_per_msg']:.1f} | {c['cpu_us_per_msg']:.0f} | {parts} |")
 

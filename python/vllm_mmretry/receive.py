@@ -140,7 +140,8 @@ def hand_back(client: Any, method: str, start: Callable[..., Any]) -> None:
     """Give `client` (this instance only) vLLM's `start` as its `method`, bound through a
     weak reference: a bound method would be a cycle, and vLLM cleans a client's
     sockets up when it is collected (weakref.finalize)."""
-    with contextlib.suppress(AttributeError, TypeError):  # __slots__ or a frozen client
+    # AttributeError: __slots__ or a frozen client; TypeError: no weak references
+    with contextlib.suppress(AttributeError, TypeError):
         setattr(client, method, functools.partial(_call_started, weakref.ref(client), start))
 
 

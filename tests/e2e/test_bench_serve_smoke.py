@@ -41,6 +41,10 @@ def closed_loop(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["request_rate"] is None]
 
 
+def open_loop(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["request_rate"] is not None]
+
+
 def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
     rows = closed_loop(quick_rows[0])
     assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
@@ -68,7 +72,7 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
 def test_open_loop_rows_keep_the_offered_rate(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
     """--quick's open-loop pass: 30 requests/s for 2 s on each configuration, far below
     what any of them serves, so each completes them at about the offered rate."""
-    rows = [r for r in quick_rows[0] if r["request_rate"] is not None]
+    rows = open_loop(quick_rows[0])
     assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
     for r in rows:
         assert (r["endpoint"], r["request_rate"], r["repeats"]) == ("chat", 30.0, 1)
