@@ -117,12 +117,19 @@ def area_of(frames: list[str]) -> str:
     return "other"
 
 
+# Requests/s no profiled front end reaches here (the plugin serves up to about 200):
+# a load sized by it outlasts the ramp and the recording at any concurrency.
+MAX_RATE = 500
+
+
 def start_load(tools: Any, fe: Any, model: str, endpoint: str, concurrency: int,
-               seconds: float, work: pathlib.Path) -> subprocess.Popen:
-    """A closed-loop load long enough to outlast the recording (stopped afterwards)."""
+               seconds: float, work: pathlib.Path, ramp: float) -> subprocess.Popen:
+    """A closed-loop load long enough to outlast the ramp and the recording (stopped
+    afterwards). Sized by time, not by concurrency: 8 concurrent requests finish
+    as many requests per second as 128 do."""
     from bench_serve import bench_cmd, server_env
 
-    n = int(concurrency * max(4.0, seconds))  # ample: the run is killed when recording ends
+    n = max(concurrency, int(MAX_RATE * (ramp + seconds)))
     cmd = bench_cmd(tools, fe, model, endpoint, concurrency, n, work / "profile-load.json", 0)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=server_env(), start_new_session=True)
@@ -145,7 +152,8 @@ def profile_frontends(args: Any, fes: dict[str, Any], work: pathlib.Path, endpoi
     for name in PROFILED:
         if name not in fes:
             continue
-        load = start_load(args.tools, fes[name], args.model, endpoint, concurrency, args.profile, work)
+        load = start_load(args.tools, fes[name], args.model, endpoint, concurrency, args.profile, work,
+                          ramp)
         try:
             time.sleep(ramp)
             raw = out_dir / f"{name.replace('/', '-')}-{endpoint}-c{concurrency}.txt"
