@@ -89,7 +89,8 @@ bench-rust: vocabs
 
 # Rows for vLLM 0.32 (.venv) and vLLM 0.33 (.venv-033), stock vs ours in each,
 # with vLLM's request statistics off and on (`vllm serve`'s default); then vLLM's
-# PrometheusStatLogger.record with and without native metric updates.
+# PrometheusStatLogger.record with and without native metric updates, and pyzmq's
+# receive of a waiting engine-output message against the ready-first one.
 bench-py: setup setup-033
 	$(VPY) benches/bench_output_loop.py
 	$(VPY) benches/bench_output_loop.py --log-stats
@@ -97,6 +98,8 @@ bench-py: setup setup-033
 	$(VPY033) benches/bench_output_loop.py --log-stats
 	$(VPY) benches/bench_record.py
 	$(VPY033) benches/bench_record.py
+	$(VPY) benches/bench_receive.py
+	$(VPY033) benches/bench_receive.py
 
 # Soak with random P1 misses (tests/e2e/test_soak.py): N requests after a warm-up,
 # figures in .cache/soak-report.json. `make soak N=2000` for a long run by hand.

@@ -56,3 +56,15 @@ def test_bench_record_runs_both_loggers() -> None:
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["patched_metrics"] > 20
     assert row["stock_us"] > 0 and row["native_us"] > 0 and row["ratio"] > 0
+
+
+def test_bench_receive_reads_both_ways() -> None:
+    """benches/bench_receive.py at a small size: both receives read vLLM's message, a row comes out."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "bench_receive.py"), "--blocks", "4", "--per-block", "50"],
+        capture_output=True, text=True, timeout=600, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["frames_per_message"] == 1
+    assert row["pyzmq_us"] > 0 and row["ready_first_us"] > 0
+    lo, hi = row["ratio_p10_p90"]
+    assert 0 < lo <= row["ratio"] <= hi

@@ -284,6 +284,53 @@ def test_waiting_messages_are_taken_without_pyzmq_futures() -> None:
     assert ours["waits"] <= 3
 
 
+# Multipart messages of raw frames (empty ones included).
+multipart_st = st.lists(st.lists(st.binary(max_size=40), min_size=1, max_size=4), min_size=1, max_size=6)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=multipart_st, copy=st.booleans(), track=st.booleans())
+def test_ready_first_receives_the_frames_pyzmq_receives(
+        messages: list[list[bytes]], copy: bool, track: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting multipart messages read through the ready-first socket and through
+    pyzmq's own receive: the same frames, in the same order, of the same type."""
+    read_by_frames = []
+
+    def counted(*args: Any) -> Any:
+        read_by_frames.append(1)
+        return frames_of_message(*args)
+
+    async def read(ready_first: bool) -> list[list[tuple[str, bytes]]]:
+        ctx = zmq.asyncio.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        address = f"inproc://frames-{next(_addresses)}"
+        pull.bind(address)
+        push.connect(address)
+        if ready_first:
+            receive.make_ready_first(pull)
+        try:
+            for message in messages:
+                await push.send_multipart(message)
+            got = []
+            for _ in messages:
+                parts = await pull.recv_multipart(copy=copy, track=track)
+                got.append([(type(part).__name__, bytes(part)) for part in parts])
+            return got
+        finally:
+            push.close(linger=0)
+            pull.close(linger=0)
+            ctx.term()
+
+    frames_of_message = receive.frames_of_message
+    with monkeypatch.context() as m:
+        m.setattr(receive, "frames_of_message", counted)
+        ours = asyncio.run(read(True))
+    assert ours == asyncio.run(read(False))
+    assert [[frame for _, frame in message] for message in ours] == messages
+    # copy=False (vLLM's) reads every waiting message frame by frame
+    assert len(read_by_frames) == (0 if copy else len(messages))
+
+
 def test_the_installed_starter_makes_the_socket_ready_first() -> None:
     """The patched `_ensure_output_queue_task` (as install() builds it) wraps the
     socket once, before the task starts, and never a started client's socket."""

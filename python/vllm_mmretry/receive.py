@@ -11,7 +11,9 @@ Before that task starts, the `recv_multipart` of its socket (that instance only)
 replaced by one that takes a message already waiting with a non-blocking receive and
 otherwise awaits pyzmq's own `recv_multipart`. The task gets the same frames in the
 same order. Scheduling does not change: when a message is waiting pyzmq returns an
-already-completed Future, whose `await` does not yield to the event loop either.
+already-completed Future, whose `await` does not yield to the event loop either. A
+waiting message read with `copy=False` (vLLM's) is read frame by frame, each frame
+saying whether another follows (`frames_of_message`).
 
 The same starter gives the task a decoder (`NativeOutputsDecoder`) that reads the
 common engine-output message natively (`_core.OutputsReader`, rust/src/wire.rs:
@@ -179,10 +181,25 @@ def make_ready_first(sock: zmq.asyncio.Socket) -> None:
     async def recv_multipart(flags: int = 0, copy: bool = True, track: bool = False) -> Any:
         if not sock.closed:
             try:
-                return shadow.recv_multipart(flags | nonblocking, copy=copy, track=track)
+                if copy:
+                    return shadow.recv_multipart(flags | nonblocking, copy=True, track=track)
+                return frames_of_message(shadow, flags | nonblocking, track)
             except again:
                 pass
         return await awaited(flags, copy=copy, track=track)
 
     setattr(recv_multipart, _MARK, True)
     sock.recv_multipart = recv_multipart  # type: ignore[method-assign]
+
+
+def frames_of_message(shadow: zmq.Socket[Any], flags: int, track: bool) -> list[zmq.Frame]:
+    """pyzmq's `recv_multipart(flags, copy=False, track)`, the same frames in the same
+    order. It reads each frame's `more` flag where pyzmq asks the socket
+    (`getsockopt(RCVMORE)`), which is most of pyzmq's time for a one-frame message
+    (benches/bench_receive.py)."""
+    frame = shadow.recv(flags, copy=False, track=track)
+    parts = [frame]
+    while frame.more:  # a message's later frames are there once its first one is
+        frame = shadow.recv(flags, copy=False, track=track)
+        parts.append(frame)
+    return parts
