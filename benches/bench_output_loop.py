@@ -32,6 +32,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+from paired import paired_ratios  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from vllm.tokenizers import get_tokenizer  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
@@ -228,8 +229,6 @@ def main() -> None:
                 ours_t += ot
             stock = statistics.median(stock_t)
             ours = statistics.median(ours_t)
-            # Step-paired ratios: both sides of a pair ran within milliseconds.
-            paired = sorted(a / o for a, o in zip(stock_t, ours_t, strict=True))
             row = {
                 "variant": variant,
                 "batch": b,
@@ -238,8 +237,7 @@ def main() -> None:
                 "block": block,
                 "stock_us": round(stock * 1e6 / b, 3),
                 "ours_us": round(ours * 1e6 / b, 3),
-                "ratio": round(statistics.median(paired), 2),
-                "ratio_p10_p90": [round(paired[len(paired) // 10], 2), round(paired[-1 - len(paired) // 10], 2)],
+                **paired_ratios(stock_t, ours_t),
             }
             rows.append(row)
             print(f"{variant:8s} {b:6d} {row['stock_us']:9.2f} {row['ours_us']:9.2f} {row['ratio']:6.2f}")

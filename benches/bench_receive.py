@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from paired import paired_ratios
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackEncoder
 
@@ -82,13 +83,11 @@ def main() -> None:
         order = list(sides) if block % 2 == 0 else list(sides)[::-1]
         for name in order:
             times[name].append(timed_block(push, pull, frames, args.per_block, sides[name]))
-    paired = sorted(a / b for a, b in zip(times["pyzmq"], times["ready_first"], strict=True))
     print(json.dumps({
         "frames_per_message": len(frames),
         "pyzmq_us": round(statistics.median(times["pyzmq"]) * 1e6, 3),
         "ready_first_us": round(statistics.median(times["ready_first"]) * 1e6, 3),
-        "ratio": round(statistics.median(paired), 2),
-        "ratio_p10_p90": [round(paired[len(paired) // 10], 2), round(paired[-1 - len(paired) // 10], 2)],
+        **paired_ratios(times["pyzmq"], times["ready_first"]),
         "blocks": args.blocks, "per_block": args.per_block,
     }))
     push.close(linger=0)

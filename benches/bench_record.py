@@ -27,6 +27,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+from paired import paired_ratios
 from tiny_model import ensure_tiny_model
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 from vllm.v1.engine import FinishReason
@@ -89,14 +90,12 @@ def main() -> None:
             prom.unpin_envs()
             if b >= 2:  # the first two blocks warm up
                 times[name].append(t)
-    ratios = sorted(s / n for s, n in zip(times["stock"], times["native"], strict=True))
     row = {
         "patched_metrics": patched,
         "pinned_envs": sorted(pinned),
         "stock_us": round(statistics.median(times["stock"]) * 1e6, 2),
         "native_us": round(statistics.median(times["native"]) * 1e6, 2),
-        "ratio": round(statistics.median(ratios), 2),
-        "ratio_p10_p90": [round(ratios[len(ratios) // 10], 2), round(ratios[-1 - len(ratios) // 10], 2)],
+        **paired_ratios(times["stock"], times["native"]),
     }
     print(f"record per message: stock {row['stock_us']} µs, native metrics {row['native_us']} µs, "
           f"{row['ratio']}x (p10-p90 {row['ratio_p10_p90'][0]}-{row['ratio_p10_p90'][1]}, "

@@ -126,7 +126,7 @@ def start_load(tools: Any, fe: Any, model: str, endpoint: str, concurrency: int,
                seconds: float, work: pathlib.Path, ramp: float) -> subprocess.Popen:
     """A closed-loop load long enough to outlast the ramp and the recording (stopped
     afterwards). Sized by time, not by concurrency: 8 concurrent requests finish
-    as many requests per second as 128 do."""
+    nearly as many requests per second as 128 do."""
     from bench_serve import bench_cmd, server_env
 
     n = max(concurrency, int(MAX_RATE * (ramp + seconds)))
