@@ -11,7 +11,8 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
-at each concurrency with 4 x concurrency requests (--prompts-factor). Repeats alternate the
+at each concurrency with 4 x concurrency requests (--prompts-factor), and at least 256
+(--min-prompts: at concurrency 8, 32 requests took the plugin about 0.3 s). Repeats alternate the
 configurations (the order rotates every repeat), so load changes on a shared machine hit
 all of them. After the closed-loop rows of an endpoint, open-loop rows at each of --rates
 (default 30 requests/s, Poisson arrivals, 6 s per run) on the statistics-on configurations:
@@ -315,10 +316,12 @@ def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str,
     }
 
 
-def num_prompts_for(concurrency: int, factor: float) -> int:
+def num_prompts_for(concurrency: int, factor: float, minimum: int) -> int:
     """Closed loop: the first `concurrency` requests start together and, all getting one
-    token per engine step, finish together; the rest keep the concurrency up meanwhile."""
-    return max(int(concurrency * factor), concurrency + 8)
+    token per engine step, finish together; the rest keep the concurrency up meanwhile.
+    At low concurrency `minimum` keeps a run long enough to have a steady state: this
+    VM's CPU speed drifts within seconds, and a sub-second run samples one moment."""
+    return max(int(concurrency * factor), concurrency + 8, minimum)
 
 
 def warm_up(tools: Tools, fes: dict[str, Frontend], model: str, endpoints: list[str],
@@ -352,7 +355,7 @@ def load_points(args: argparse.Namespace, names: list[str], rep: int
         for conc in args.concurrency:
             for name in rotated(names, rep):
                 if not (name.endswith("/off") and endpoint not in args.off_endpoints):
-                    yield name, endpoint, conc, None, num_prompts_for(conc, args.prompts_factor)
+                    yield name, endpoint, conc, None, num_prompts_for(conc, args.prompts_factor, args.min_prompts)
         for rate in args.rates:
             for name in rotated(names, rep):
                 if name.endswith("/on"):
@@ -472,6 +475,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts-factor", type=float, default=4.0,
                     help="requests per run = concurrency x this (closed loop); at 1.5 a run "
                          "was 2-3 s of ramp-up and its req/s bimodal")
+    ap.add_argument("--min-prompts", type=int, default=256,
+                    help="requests per closed-loop run at least (low concurrency)")
     ap.add_argument("--mock-engine", type=pathlib.Path,
                     default=os.environ.get("MOCK_ENGINE", MOCK_DIR / "vllm-mock-engine"))
     ap.add_argument("--vllm-rs", type=pathlib.Path,
@@ -487,6 +492,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.repeat, args.concurrency, args.endpoints = 1, "8", "chat"
         args.paced_seconds = 2.0
+        args.min_prompts = 0
         args.configs = "stock/on,plugin/on,rust/on"
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     args.rates = [float(r) for r in str(args.rates).split(",") if r.strip()]
