@@ -119,3 +119,15 @@ def test_call_times_of_is_per_message() -> None:
 def test_json_lines_match_the_rows(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
     rows, out = quick_rows
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+
+def test_closed_loop_runs_have_at_least_min_prompts() -> None:
+    """4 x concurrency requests per closed-loop run, and at least --min-prompts (256 by
+    default): at concurrency 8 the factor alone gave a sub-second run. --quick keeps 32."""
+    args = bench_serve.parse_args(["--configs", "stock/on,plugin/on", "--endpoints", "chat",
+                                   "--concurrency", "8,32,128", "--rates", ""])
+    closed = {(conc, n) for _, _, conc, rate, n in bench_serve.load_points(args, args.configs, 0)
+              if rate is None}
+    assert closed == {(8, 256), (32, 256), (128, 512)}
+    quick = bench_serve.parse_args(["--quick"])
+    assert {n for *_, rate, n in bench_serve.load_points(quick, quick.configs, 0) if rate is None} == {32}
