@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from paired import taking_turns
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -57,7 +58,7 @@ def main() -> None:
             frames = message(outputs, stats)
             samples: dict[str, list[float]] = {"vllm": [], "native": []}
             for s in range(args.samples):
-                for side in (("vllm", "native") if s % 2 == 0 else ("native", "vllm")):
+                for side in taking_turns(("vllm", "native"), s):
                     dec = vllm.decode if side == "vllm" else ours.decode
                     samples[side].append(per_call_us(dec, frames))
             assert ours.stepped_aside == 0, "the benchmark's messages must be read natively"

@@ -32,7 +32,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from paired import paired_ratios  # noqa: E402
+from paired import paired_ratios, taking_turns  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from vllm.tokenizers import get_tokenizer  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
@@ -139,7 +139,7 @@ def run_pair(
     offs = [rng.randrange(len(ids)) for _ in sides[0][2]]
     times: list[list[float]] = [[], []]
     for start in range(0, steps, block):
-        for k in ((0, 1) if (start // block) % 2 == 0 else (1, 0)):
+        for k in taking_turns((0, 1), start // block):
             op, collectors, child_ids = sides[k]
             for s in range(start, min(start + block, steps)):
                 t = timed_step(op, step_outputs(child_ids, ids, offs, s))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from paired import paired_ratios
+from paired import paired_ratios, taking_turns
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackEncoder
 
@@ -56,7 +56,7 @@ def timed_block(push: zmq.Socket[Any], pull: zmq.Socket[Any], frames: list[Any],
 
 
 def sent_and_read(push: zmq.Socket[Any], pull: zmq.Socket[Any], frames: list[Any],
-                     read: Callable[[zmq.Socket[Any]], Any]) -> Any:
+                  read: Callable[[zmq.Socket[Any]], Any]) -> Any:
     """One message sent and read back (both reads must give the frames sent)."""
     push.send_multipart(frames, copy=False)
     return read(pull)
@@ -80,8 +80,7 @@ def main() -> None:
         [bytes(f) for f in sent_and_read(push, pull, frames, ready_first_read)]
     times: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(args.blocks):
-        order = list(sides) if block % 2 == 0 else list(sides)[::-1]
-        for name in order:
+        for name in taking_turns(list(sides), block):
             times[name].append(timed_block(push, pull, frames, args.per_block, sides[name]))
     print(json.dumps({
         "frames_per_message": len(frames),

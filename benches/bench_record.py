@@ -27,7 +27,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from paired import paired_ratios
+from paired import paired_ratios, taking_turns
 from tiny_model import ensure_tiny_model
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 from vllm.v1.engine import FinishReason
@@ -81,8 +81,7 @@ def main() -> None:
     pinned: dict[str, Any] = {}
     for b in range(args.blocks + 2):
         block = [message_stats(rng) for _ in range(args.per_block)]
-        order = [("stock", stock), ("native", fast)]
-        for name, logger in (order if b % 2 == 0 else order[::-1]):
+        for name, logger in taking_turns([("stock", stock), ("native", fast)], b):
             # The pinned vllm.envs reads are process-wide: only while the native side runs.
             if name == "native":
                 pinned.update(prom.pin_stat_env_reads())

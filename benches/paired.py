@@ -1,4 +1,4 @@
-"""The paired-ratio summary the micro-benchmarks print.
+"""How the micro-benchmarks pair stock with ours: turns, and the ratio summary.
 
 Each benchmark times stock and ours in alternating blocks or steps, so a pair ran
 within milliseconds on the same machine state; the ratio of each pair, not of the two
@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def taking_turns(sides: Sequence[T], turn: int) -> list[T]:
+    """The sides in the order they run in this turn: who goes first alternates, so
+    neither always runs with the caches the other just filled."""
+    return list(sides) if turn % 2 == 0 else list(sides)[::-1]
 
 
 def paired_ratios(stock: Sequence[float], ours: Sequence[float]) -> dict[str, Any]:
