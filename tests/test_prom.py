@@ -131,7 +131,7 @@ def test_self_check_passes_here_and_catches_a_wrong_update(monkeypatch: pytest.M
     class Wrong:
         """Counts everything twice."""
 
-        def __init__(self, value: Any, original: Any) -> None:
+        def __init__(self, value: Any, original: Any, **kwargs: Any) -> None:
             self.original = original  # a weakref.WeakMethod, as the native one gets
 
         def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -151,15 +151,6 @@ def test_switch_off_leaves_prometheus_client_alone(monkeypatch: pytest.MonkeyPat
 
 
 # ------------------------------------------------------ vLLM's own stat logger
-
-
-@pytest.fixture(scope="module")
-def vllm_config(tiny_model_path: str) -> Any:
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
-
-    # The device given, so vLLM 0.33's GPU build makes a config here too.
-    model = ModelConfig(model=tiny_model_path, max_model_len=512, dtype="float32")
-    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"))
 
 
 SMALL = st.integers(min_value=0, max_value=50)

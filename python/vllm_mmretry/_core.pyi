@@ -1,5 +1,5 @@
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, final
 
 __all__ = [
@@ -134,20 +134,25 @@ class OutputsReader:
 
 # prometheus_client updates for one metric child (prom.rs); any call other than
 # the one-positional form goes to the child's own method, which `original`
-# (a weakref.WeakMethod) gives.
+# (a weakref.WeakMethod) gives. `own_methods`: the values are updated through
+# their own inc/set (multiprocess stores), not natively under their lock.
 @final
 class FastCounterInc:
-    def __new__(cls, value: Any, original: Any) -> FastCounterInc: ...
+    def __new__(cls, value: Any, original: Any, *, own_methods: bool = False) -> FastCounterInc: ...
     def __call__(self, *args: Any, **kwargs: Any) -> None: ...
 
 @final
 class FastGaugeSet:
-    def __new__(cls, value: Any, original: Any) -> FastGaugeSet: ...
+    def __new__(
+        cls, value: Any, original: Any, *, own_methods: bool = False, clock: Callable[[], float] | None = None
+    ) -> FastGaugeSet: ...
     def __call__(self, *args: Any, **kwargs: Any) -> None: ...
 
 @final
 class FastHistogramObserve:
-    def __new__(cls, sum: Any, buckets: list[Any], bounds: list[float], original: Any) -> FastHistogramObserve: ...
+    def __new__(
+        cls, sum: Any, buckets: list[Any], bounds: list[float], original: Any, *, own_methods: bool = False
+    ) -> FastHistogramObserve: ...
     def __call__(self, *args: Any, **kwargs: Any) -> None: ...
 
 # `labels` of a labelled parent: an existing child for str label values, else

@@ -17,8 +17,11 @@ an exemplar, a negative increment) goes to the child's own method. A labelled
 parent gets a `labels` (`_core.FastLabels`) that returns an existing child for
 `str` label values without prometheus_client's checks and lock, and otherwise
 runs the parent's own `labels`, giving a child it makes its native update (vLLM
-looks one child up by labels per message). Children in multiprocess mode
-(`--api-server-count > 1`) keep prometheus_client's methods.
+looks one child up by labels per message). In multiprocess mode
+(`--api-server-count > 1`, values in per-process files) the stand-ins update
+through the values' own `inc`/`set`, which keep prometheus_client's fork check
+and file writes; what they save there is the metric's own method around it
+(and every increment of zero).
 
 The vllm.envs variables `record` reads on every call (one today,
 VLLM_COMPUTE_NANS_IN_LOGITS) are pinned as module attributes when an engine is
@@ -32,8 +35,10 @@ VLLM_MMRETRY_NATIVE_METRICS=0 turns all of this off."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -58,11 +63,11 @@ def enabled() -> bool:
     return switch_on(ENV_SWITCH)
 
 
-def fast_method(child: Any) -> tuple[str, Any] | None:
+def fast_method(child: Any, own_methods: bool | None = None) -> tuple[str, Any] | None:
     """The method name and native stand-in for one metric child, or None when
-    it does not qualify."""
+    it does not qualify. `own_methods` forces how the stand-in updates the
+    child's values (the self-check's); by default it follows their store."""
     from prometheus_client import Counter, Gauge, Histogram
-    from prometheus_client.values import MutexValue
 
     kind = type(child)
     if kind not in (Counter, Gauge, Histogram) or not child._is_observable():
@@ -70,20 +75,67 @@ def fast_method(child: Any) -> tuple[str, Any] | None:
     name = {Counter: "inc", Gauge: "set", Histogram: "observe"}[kind]
     if name in vars(child):
         return None  # already replaced, by us or by someone else
+    parts = [child._sum, *child._buckets] if kind is Histogram else [child._value]
+    own = store_kind(parts) if own_methods is None else ("own" if own_methods else "mutex")
+    if own is None:
+        return None
+    own_methods = own == "own"
     # Weak: the child holds the stand-in, which must not hold the child.
     original = weakref.WeakMethod(getattr(child, name))
     if kind is Histogram:
-        parts = [child._sum, *child._buckets]
         bounds = child._upper_bounds
-        if any(type(p) is not MutexValue for p in parts) or any(type(b) is not float for b in bounds):
+        if any(type(b) is not float for b in bounds):
             return None
-        return name, _core.FastHistogramObserve(child._sum, list(child._buckets), list(bounds), original)
-    if type(child._value) is not MutexValue:
-        return None
+        return name, _core.FastHistogramObserve(child._sum, list(child._buckets), list(bounds), original,
+                                                own_methods=own_methods)
     if kind is Gauge:
-        # A "mostrecent" gauge passes a timestamp too, which a MutexValue ignores.
-        return name, _core.FastGaugeSet(child._value, original)
-    return name, _core.FastCounterInc(child._value, original)
+        # A "mostrecent" gauge passes the time as well; a MutexValue ignores it.
+        most_recent = getattr(child, "_is_most_recent", None)
+        if own_methods and type(most_recent) is not bool:
+            return None  # another prometheus_client: where the time goes is unknown
+        clock = time.time if own_methods and most_recent else None
+        return name, _core.FastGaugeSet(child._value, original, own_methods=own_methods, clock=clock)
+    return name, _core.FastCounterInc(child._value, original, own_methods=own_methods)
+
+
+def store_kind(parts: list[Any]) -> str | None:
+    """How a stand-in updates these values: "mutex" for `MutexValue`s (natively,
+    under their lock), "own" for the multiprocess store (`--api-server-count` > 1:
+    through its own `inc`/`set`, which check for a fork and write the process's
+    file), None for anything else."""
+    from prometheus_client import values
+
+    if all(type(p) is values.MutexValue for p in parts):
+        return "mutex"
+    multi = values.ValueClass
+    if getattr(multi, "_multiprocess", False) is True and all(type(p) is multi for p in parts):
+        return "own"
+    return None
+
+
+def multiprocess_values() -> bool:
+    """Whether new metrics here store their values in the multiprocess files."""
+    from prometheus_client import values
+
+    return getattr(values.ValueClass, "_multiprocess", False) is True
+
+
+@contextlib.contextmanager
+def in_process_values() -> Iterator[None]:
+    """Metrics made inside store their values in this process only (`MutexValue`).
+    The self-check's private metrics must not reach the multiprocess files: every
+    API server's `/metrics` reads all of them. prometheus_client reads
+    `values.ValueClass` when a metric is made; the swap lasts the self-check
+    (about a millisecond, once per process, on the thread building the engine,
+    before the server serves)."""
+    from prometheus_client import values
+
+    multi = values.ValueClass
+    values.ValueClass = values.MutexValue
+    try:
+        yield
+    finally:
+        values.ValueClass = multi
 
 
 def fast_labels(parent: Any) -> tuple[str, Any] | None:
@@ -320,12 +372,20 @@ def samples(metric: Any) -> list[tuple[str, dict[str, str], str, Any]]:
 @functools.cache
 def self_check() -> str | None:
     """None when the native updates give prometheus_client's samples and errors
-    on a fixed sequence of calls; else what differed first."""
+    on a fixed sequence of calls; else what differed first. With multiprocess
+    stores the stand-ins are checked in the form they take there (updating
+    through the values' own methods), on private metrics kept out of the files."""
+    own = multiprocess_values()
+    with in_process_values() if own else contextlib.nullcontext():
+        return _differences_on_private_metrics(own)
+
+
+def _differences_on_private_metrics(own_methods: bool) -> str | None:
     stock = _private_metrics("stock")
     fast = _private_metrics("fast")
     expected_updates, native_updates = {}, {}
     for kind, child in fast.items():
-        found = fast_method(child)
+        found = fast_method(child, own_methods)
         if found is None:
             return f"a plain {kind} child does not qualify in this prometheus_client"
         name, native = found

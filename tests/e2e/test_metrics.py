@@ -6,7 +6,9 @@
   retries {outcome=failed_again} +1, HTTP 503;
 - a fallback (a logprobs request): native_fallback {reason=logprobs} +1;
 - `--api-server-count 2` (vLLM's multiprocess registry): the fallbacks of requests
-  served by both API server processes add up, whichever process answers the scrape.
+  served by both API server processes add up, whichever process answers the scrape;
+  vLLM's own counters, updated natively in both processes, add up too, and the
+  native updates' self-check leaves no metric of its own in the shared files.
 
 Fallback counts are published off the step path, at most a second late (and at
 scrape time with one API server), so the tests poll."""
@@ -174,3 +176,32 @@ def test_counts_add_up_across_api_server_processes(
     for _ in range(6):
         assert scrape(two_api_servers).get(fallbacks("logprobs"), 0) == before + n
     assert len(info_labels(samples)) == 1, info_labels(samples)
+
+
+def vllm_total(samples: Samples, name: str) -> float:
+    return sum(v for (n, _labels), v in samples.items() if n == name)
+
+
+def test_vllm_counts_add_up_with_native_updates_in_both_processes(
+        two_api_servers: servers.Server, model: str) -> None:
+    """In multiprocess mode each API server process gives vLLM's stat loggers the
+    native updates (through the values' own methods); the self-check leaves nothing
+    in the shared files; vLLM's own counters add up over both processes."""
+    log = two_api_servers.log()
+    assert log.count("native prometheus updates for") == 2, log[-3000:]
+    assert "prometheus metrics left to prometheus_client" not in log
+    before = scrape(two_api_servers)
+    body = {"model": model, "max_tokens": 5, "temperature": 0,
+            "messages": [{"role": "user", "content": "count"}]}
+    generated = 0
+    n = 10
+    for _ in range(n):  # fresh connections: the kernel spreads them over both servers
+        r = chat(two_api_servers, body)
+        assert r.status_code == 200
+        generated += r.json()["usage"]["completion_tokens"]
+    tokens = "vllm:generation_tokens_total"
+    done = "vllm:request_success_total"
+    samples = wait_until(two_api_servers, lambda s: (
+        vllm_total(s, tokens) == vllm_total(before, tokens) + generated
+        and vllm_total(s, done) == vllm_total(before, done) + n))
+    assert not [name for name, _ in samples if "mmretry_check" in name]

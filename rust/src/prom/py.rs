@@ -2,7 +2,8 @@
 //! `_core.FastHistogramObserve`, callables that stand in for one
 //! prometheus_client child's `inc`, `set` or `observe`, and `_core.FastLabels`
 //! for a labelled parent's `labels`. `vllm_mmretry.prom` decides which metrics
-//! qualify (observable, with `MutexValue` stores) and hands over their parts.
+//! qualify (observable, with `MutexValue` stores, or multiprocess stores, which
+//! are updated through their own `inc`/`set`) and hands over their parts.
 //! Any call other than the one-positional form vLLM uses goes to the metric's
 //! own method, unchanged.
 
@@ -70,6 +71,56 @@ impl MutexCell {
     }
 }
 
+/// A store updated through its own `inc` and `set`: prometheus_client's
+/// multiprocess `MmapedValue`, whose updates also check for a fork and write the
+/// process's file (that stays prometheus_client's code).
+struct OwnCell {
+    inc: Py<PyAny>,
+    set: Py<PyAny>,
+}
+
+/// Where a child's number is stored, and how this binding updates it.
+enum Cell {
+    Mutex(MutexCell),
+    Own(OwnCell),
+}
+
+impl Cell {
+    fn new(value: &Bound<'_, PyAny>, own_methods: bool) -> PyResult<Self> {
+        if !own_methods {
+            return MutexCell::new(value).map(Cell::Mutex);
+        }
+        let py = value.py();
+        Ok(Cell::Own(OwnCell {
+            inc: value.getattr(pyo3::intern!(py, "inc"))?.unbind(),
+            set: value.getattr(pyo3::intern!(py, "set"))?.unbind(),
+        }))
+    }
+
+    /// The value's `inc(amount)`.
+    fn inc(&self, py: Python<'_>, amount: &Bound<'_, PyAny>) -> PyResult<()> {
+        match self {
+            Cell::Mutex(m) => m.inc(py, amount),
+            Cell::Own(o) => o.inc.bind(py).call1((amount,)).map(drop),
+        }
+    }
+
+    /// The value's `set(value)`, or `set(value, timestamp)` (a `MutexValue`
+    /// ignores the timestamp).
+    fn set(
+        &self,
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        timestamp: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        match (self, timestamp) {
+            (Cell::Mutex(m), _) => m.set(py, value),
+            (Cell::Own(o), None) => o.set.bind(py).call1((value,)).map(drop),
+            (Cell::Own(o), Some(ts)) => o.set.bind(py).call1((value, ts)).map(drop),
+        }
+    }
+}
+
 /// The one argument of a plain call (`m.inc(x)`), or None for any other form.
 fn single_arg<'py>(
     args: &Bound<'py, PyTuple>,
@@ -129,14 +180,14 @@ fn is_int_zero(amount: &Bound<'_, PyAny>) -> bool {
 
 /// A single-value child's store and its own method.
 struct Single {
-    cell: MutexCell,
+    cell: Cell,
     original: Py<PyAny>,
 }
 
 impl Single {
-    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
+    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>, own_methods: bool) -> PyResult<Self> {
         Ok(Self {
-            cell: MutexCell::new(value)?,
+            cell: Cell::new(value, own_methods)?,
             original,
         })
     }
@@ -149,8 +200,9 @@ pub struct FastCounterInc(Single);
 #[pymethods]
 impl FastCounterInc {
     #[new]
-    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
-        Single::new(value, original).map(Self)
+    #[pyo3(signature = (value, original, *, own_methods = false))]
+    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>, own_methods: bool) -> PyResult<Self> {
+        Single::new(value, original, own_methods).map(Self)
     }
 
     #[pyo3(signature = (*args, **kwargs))]
@@ -175,16 +227,29 @@ impl FastCounterInc {
     }
 }
 
-/// `Gauge.set` for one observable child (in "mostrecent" mode too: the
-/// timestamp prometheus_client passes then is ignored by a `MutexValue`).
+/// `Gauge.set` for one observable child. A "mostrecent" gauge passes the time
+/// too: `clock` is then `time.time`. (A `MutexValue` ignores the timestamp, so
+/// its gauges get no clock.)
 #[pyclass(frozen, module = "vllm_mmretry._core")]
-pub struct FastGaugeSet(Single);
+pub struct FastGaugeSet {
+    single: Single,
+    clock: Option<Py<PyAny>>,
+}
 
 #[pymethods]
 impl FastGaugeSet {
     #[new]
-    fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>) -> PyResult<Self> {
-        Single::new(value, original).map(Self)
+    #[pyo3(signature = (value, original, *, own_methods = false, clock = None))]
+    fn new(
+        value: &Bound<'_, PyAny>,
+        original: Py<PyAny>,
+        own_methods: bool,
+        clock: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            single: Single::new(value, original, own_methods)?,
+            clock,
+        })
     }
 
     #[pyo3(signature = (*args, **kwargs))]
@@ -193,7 +258,7 @@ impl FastGaugeSet {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        let Single { cell, original } = &self.0;
+        let Single { cell, original } = &self.single;
         dispatch("Gauge.set", original, args, kwargs, None, |value| {
             let py = value.py();
             // `float(value)`: an exact float is itself.
@@ -202,7 +267,11 @@ impl FastGaugeSet {
             } else {
                 py.get_type::<PyFloat>().call1((value,))?
             };
-            cell.set(py, &value).map(Some)
+            let timestamp = match &self.clock {
+                Some(clock) => Some(clock.bind(py).call0()?),
+                None => None,
+            };
+            cell.set(py, &value, timestamp).map(Some)
         })
     }
 }
@@ -210,8 +279,8 @@ impl FastGaugeSet {
 /// `Histogram.observe` for one observable child.
 #[pyclass(frozen, module = "vllm_mmretry._core")]
 pub struct FastHistogramObserve {
-    sum: MutexCell,
-    buckets: Vec<MutexCell>,
+    sum: Cell,
+    buckets: Vec<Cell>,
     /// `_upper_bounds`, as Python floats (for amounts of other types) and as f64.
     bounds: Vec<Py<PyAny>>,
     bounds_f64: Vec<f64>,
@@ -221,11 +290,13 @@ pub struct FastHistogramObserve {
 #[pymethods]
 impl FastHistogramObserve {
     #[new]
+    #[pyo3(signature = (sum, buckets, bounds, original, *, own_methods = false))]
     fn new(
         sum: &Bound<'_, PyAny>,
         buckets: Vec<Bound<'_, PyAny>>,
         bounds: Vec<Bound<'_, PyFloat>>,
         original: Py<PyAny>,
+        own_methods: bool,
     ) -> PyResult<Self> {
         if buckets.len() != bounds.len() {
             return Err(pyo3::exceptions::PyValueError::new_err(
@@ -233,10 +304,10 @@ impl FastHistogramObserve {
             ));
         }
         Ok(Self {
-            sum: MutexCell::new(sum)?,
+            sum: Cell::new(sum, own_methods)?,
             buckets: buckets
                 .iter()
-                .map(MutexCell::new)
+                .map(|b| Cell::new(b, own_methods))
                 .collect::<PyResult<_>>()?,
             bounds_f64: bounds.iter().map(|b| b.value()).collect(),
             bounds: bounds.into_iter().map(|b| b.into_any().unbind()).collect(),
