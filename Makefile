@@ -89,7 +89,8 @@ bench-rust: vocabs
 
 # Rows for vLLM 0.32 (.venv) and vLLM 0.33 (.venv-033), stock vs ours in each,
 # with vLLM's request statistics off and on (`vllm serve`'s default); then vLLM's
-# PrometheusStatLogger.record with and without native metric updates, and pyzmq's
+# PrometheusStatLogger.record with and without native metric updates (in-process
+# values, then the multiprocess files of `--api-server-count` > 1), and pyzmq's
 # receive of a waiting engine-output message against the ready-first one.
 bench-py: setup setup-033
 	$(VPY) benches/bench_output_loop.py
@@ -98,6 +99,8 @@ bench-py: setup setup-033
 	$(VPY033) benches/bench_output_loop.py --log-stats
 	$(VPY) benches/bench_record.py
 	$(VPY033) benches/bench_record.py
+	d=$$(mktemp -d) && PROMETHEUS_MULTIPROC_DIR=$$d $(VPY) benches/bench_record.py; s=$$?; rm -rf $$d; exit $$s
+	d=$$(mktemp -d) && PROMETHEUS_MULTIPROC_DIR=$$d $(VPY033) benches/bench_record.py; s=$$?; rm -rf $$d; exit $$s
 	$(VPY) benches/bench_receive.py
 	$(VPY033) benches/bench_receive.py
 

@@ -10,6 +10,10 @@ scheduler stats, a few generated tokens with their inter-token latencies, and no
 and then a finished request.
 
     .venv/bin/python benches/bench_record.py [--blocks 60] [--per-block 500]
+
+With PROMETHEUS_MULTIPROC_DIR set (an empty directory; prometheus_client reads it at
+import), the metrics store their values in per-process files, as vLLM's do with
+`--api-server-count` > 1, and the row says `"multiprocess": true`.
 """
 
 from __future__ import annotations
@@ -90,13 +94,15 @@ def main() -> None:
             if b >= 2:  # the first two blocks warm up
                 times[name].append(t)
     row = {
+        "multiprocess": prom.multiprocess_values(),
         "patched_metrics": patched,
         "pinned_envs": sorted(pinned),
         "stock_us": round(statistics.median(times["stock"]) * 1e6, 2),
         "native_us": round(statistics.median(times["native"]) * 1e6, 2),
         **paired_ratios(times["stock"], times["native"]),
     }
-    print(f"record per message: stock {row['stock_us']} µs, native metrics {row['native_us']} µs, "
+    mode = " (multiprocess files)" if row["multiprocess"] else ""
+    print(f"record per message{mode}: stock {row['stock_us']} µs, native metrics {row['native_us']} µs, "
           f"{row['ratio']}x (p10-p90 {row['ratio_p10_p90'][0]}-{row['ratio_p10_p90'][1]}, "
           f"{patched} metrics patched)")
     print(json.dumps(row))

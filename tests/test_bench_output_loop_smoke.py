@@ -4,9 +4,12 @@ the two take turns step by step, every row is there and sane. No timed assertion
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benches"))
@@ -48,14 +51,21 @@ def test_rows_carry_paired_ratio_and_spread(tiny_model_path: str) -> None:
     assert len(rss) == 1 and rss[0]["request_steps"] == 100_000
 
 
-def test_bench_record_runs_both_loggers() -> None:
-    """benches/bench_record.py at a small size: both loggers record, a row comes out."""
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_bench_record_runs_both_loggers(multiprocess: bool, tmp_path: pathlib.Path) -> None:
+    """benches/bench_record.py at a small size: both loggers record, a row comes
+    out; with PROMETHEUS_MULTIPROC_DIR set, on multiprocess values, patched too."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if multiprocess:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
     out = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "bench_record.py"), "--blocks", "4", "--per-block", "20"],
-        capture_output=True, text=True, timeout=600, check=True)
+        capture_output=True, text=True, timeout=600, check=True, env=env)
     row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["multiprocess"] is multiprocess
     assert row["patched_metrics"] > 20
     assert row["stock_us"] > 0 and row["native_us"] > 0 and row["ratio"] > 0
+    assert bool(list(tmp_path.glob("*.db"))) is multiprocess
 
 
 def test_bench_receive_reads_both_ways() -> None:
