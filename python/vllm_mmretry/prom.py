@@ -76,10 +76,10 @@ def fast_method(child: Any, own_methods: bool | None = None) -> tuple[str, Any] 
     if name in vars(child):
         return None  # already replaced, by us or by someone else
     parts = [child._sum, *child._buckets] if kind is Histogram else [child._value]
-    own = store_kind(parts) if own_methods is None else ("own" if own_methods else "mutex")
-    if own is None:
+    store = store_kind(parts) if own_methods is None else ("own" if own_methods else "mutex")
+    if store is None:
         return None
-    own_methods = own == "own"
+    own = store == "own"
     # Weak: the child holds the stand-in, which must not hold the child.
     original = weakref.WeakMethod(getattr(child, name))
     if kind is Histogram:
@@ -87,15 +87,15 @@ def fast_method(child: Any, own_methods: bool | None = None) -> tuple[str, Any] 
         if any(type(b) is not float for b in bounds):
             return None
         return name, _core.FastHistogramObserve(child._sum, list(child._buckets), list(bounds), original,
-                                                own_methods=own_methods)
+                                                own_methods=own)
     if kind is Gauge:
         # A "mostrecent" gauge passes the time as well; a MutexValue ignores it.
         most_recent = getattr(child, "_is_most_recent", None)
-        if own_methods and type(most_recent) is not bool:
+        if own and type(most_recent) is not bool:
             return None  # another prometheus_client: where the time goes is unknown
-        clock = time.time if own_methods and most_recent else None
-        return name, _core.FastGaugeSet(child._value, original, own_methods=own_methods, clock=clock)
-    return name, _core.FastCounterInc(child._value, original, own_methods=own_methods)
+        clock = time.time if own and most_recent else None
+        return name, _core.FastGaugeSet(child._value, original, own_methods=own, clock=clock)
+    return name, _core.FastCounterInc(child._value, original, own_methods=own)
 
 
 def store_kind(parts: list[Any]) -> str | None:
