@@ -77,15 +77,21 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_native_update_matches_prometheus_client_call_by_call(name: str, data: st.DataObject) -> None:
+def generated_twins(name: str, data: st.DataObject) -> tuple[str, Any, Any, list[Any]]:
+    """For `KINDS[name]`: the method, a stock and a native twin, and generated calls."""
     kw, method = KINDS[name]
     kind = name.split("_")[0]
     stock, fast = twins(kind, f"{name}_{data.draw(st.integers(0, 10**9))}", **kw)
     assert type(getattr(fast, method)).__module__ == "vllm_mmretry._core"
-    for args, kwargs in data.draw(st.lists(call(kind), min_size=1, max_size=12)):
+    return method, stock, fast, data.draw(st.lists(call(kind), min_size=1, max_size=12))
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_native_update_matches_prometheus_client_call_by_call(name: str, data: st.DataObject) -> None:
+    method, stock, fast, calls = generated_twins(name, data)
+    for args, kwargs in calls:
         want = outcome(getattr(stock, method), args, kwargs)
         got = outcome(getattr(fast, method), args, kwargs)
         assert got == want, (args, kwargs)

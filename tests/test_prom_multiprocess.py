@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
-from test_prom import KINDS, call, outcome, step_stats
+from prometheus_client import CollectorRegistry, Counter, Gauge, multiprocess, values
+from test_prom import KINDS, generated_twins, outcome, step_stats
 
 from vllm_mmretry import _core, prom
 
@@ -63,15 +63,6 @@ def files() -> Iterator[FileValues]:
         yield fv
 
 
-def twins(kind: str, tag: str, **kw: Any) -> tuple[Any, Any]:
-    cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[kind]
-    made = [cls(f"mp_{tag}_{side}", "doc", ["k"], registry=None, **kw).labels("v") for side in ("stock", "fast")]
-    found = prom.fast_method(made[1])
-    assert found is not None
-    setattr(made[1], *found)
-    return made[0], made[1]
-
-
 def file_record(child: Any) -> list[tuple[float, float]]:
     """(value, timestamp) of each of the child's values, as stored in its file."""
     parts = [child._sum, *child._buckets] if hasattr(child, "_buckets") else [child._value]
@@ -82,12 +73,9 @@ def file_record(child: Any) -> list[tuple[float, float]]:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_native_update_writes_what_prometheus_client_writes(name: str, data: st.DataObject) -> None:
-    kw, method = KINDS[name]
-    kind = name.split("_")[0]
     with tempfile.TemporaryDirectory() as d, FileValues(pathlib.Path(d)) as fv:
-        stock, fast = twins(kind, f"{name}_{data.draw(st.integers(0, 10**9))}", **kw)
-        assert type(getattr(fast, method)).__module__ == "vllm_mmretry._core"
-        for args, kwargs in data.draw(st.lists(call(kind), min_size=1, max_size=12)):
+        method, stock, fast, calls = generated_twins(name, data)
+        for args, kwargs in calls:
             before = time.time()
             want = outcome(getattr(stock, method), args, kwargs)
             got = outcome(getattr(fast, method), args, kwargs)
@@ -99,8 +87,8 @@ def test_native_update_writes_what_prometheus_client_writes(name: str, data: st.
             for (_, ts), (_, ts_stock) in zip(stored, stored_stock, strict=True):
                 assert (ts == 0.0) == (ts_stock == 0.0)
                 assert ts == 0.0 or ts >= before - 1e-3
-        read_back = {s[0].replace("_fast", "_stock"): s[1:] for s in fv.collected("mp_") if "_fast" in s[0]}
-        assert read_back == {s[0]: s[1:] for s in fv.collected("mp_") if "_stock" in s[0]}
+        read_back = {s[0].replace("_fast", "_stock"): s[1:] for s in fv.collected("t_") if "_fast" in s[0]}
+        assert read_back and read_back == {s[0]: s[1:] for s in fv.collected("t_") if "_stock" in s[0]}
 
 
 def test_multiprocess_children_update_through_their_own_values(files: FileValues) -> None:
