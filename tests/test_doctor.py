@@ -164,9 +164,13 @@ def test_native_metrics_check_follows_its_switch_and_self_check(monkeypatch: pyt
 
     monkeypatch.delenv(prom.ENV_SWITCH, raising=False)
     assert doctor.check_native_metrics().status == "ok"
-    monkeypatch.setattr(prom, "self_check", lambda: "expected counter() ok, got ...")
+    monkeypatch.setattr(prom, "self_check", lambda own_methods=None: "expected counter() ok, got ...")
     check = doctor.check_native_metrics()
     assert check.status == "warn" and "expected counter()" in check.summary
+    # The multiprocess form alone failing is reported too.
+    monkeypatch.setattr(prom, "self_check", lambda own_methods=None: "expected gauge(3,)" if own_methods else None)
+    check = doctor.check_native_metrics()
+    assert check.status == "warn" and "expected gauge(3,)" in check.summary
     monkeypatch.setenv(prom.ENV_SWITCH, "off")
     check = doctor.check_native_metrics()
     assert check.status == "warn" and prom.ENV_SWITCH in check.summary

@@ -112,6 +112,7 @@ def test_multiprocess_children_update_through_their_own_values(files: FileValues
 def test_self_check_runs_in_multiprocess_mode_and_writes_no_files(files: FileValues) -> None:
     assert prom.multiprocess_values()
     assert prom.self_check.__wrapped__() is None
+    assert prom.self_check.__wrapped__(own_methods=False) is None  # doctor's other form
     assert values.ValueClass is files.value_class
     assert not [s for s in files.collected() if "mmretry_check" in s[0]]
     assert not list(files.path.glob("*.db"))

@@ -174,12 +174,14 @@ def check_native_metrics() -> Check:
     if not prom.enabled():
         return Check("native_metrics", WARN, f"{prom.ENV_SWITCH}=0: vLLM's statistics update "
                      "prometheus_client's metrics in Python (slower with statistics on)")
-    failure = prom.self_check()
+    # Both forms: in-process values, and the file-backed ones of --api-server-count > 1.
+    failure = prom.self_check(own_methods=False) or prom.self_check(own_methods=True)
     if failure is not None:
         return Check("native_metrics", WARN, "this prometheus_client's updates differ from the "
                      f"native ones ({failure}): prometheus_client's own methods run")
     return Check("native_metrics", OK, "vLLM's stat loggers update their prometheus metrics "
-                 "natively (same samples, checked against prometheus_client)")
+                 "natively (same samples, checked against prometheus_client, in-process and "
+                 "multiprocess)")
 
 
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:

@@ -370,13 +370,14 @@ def samples(metric: Any) -> list[tuple[str, dict[str, str], str, Any]]:
 
 
 @functools.cache
-def self_check() -> str | None:
+def self_check(own_methods: bool | None = None) -> str | None:
     """None when the native updates give prometheus_client's samples and errors
-    on a fixed sequence of calls; else what differed first. With multiprocess
-    stores the stand-ins are checked in the form they take there (updating
-    through the values' own methods), on private metrics kept out of the files."""
-    own = multiprocess_values()
-    with in_process_values() if own else contextlib.nullcontext():
+    on a fixed sequence of calls; else what differed first. The stand-ins are
+    checked in the form this process's metrics take (with multiprocess stores,
+    updating through the values' own methods) or the one `own_methods` names,
+    on private metrics kept out of the multiprocess files."""
+    own = multiprocess_values() if own_methods is None else own_methods
+    with in_process_values() if multiprocess_values() else contextlib.nullcontext():
         return _differences_on_private_metrics(own)
 
 
