@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,6 +56,8 @@ _patched: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 # vllm.envs values set as module attributes by pin_stat_env_reads (name -> (module, value)).
 _pinned_envs: dict[str, tuple[ModuleType, Any]] = {}
 _MISSING = object()
+# Held while the self-check's private metrics are made with in-process values.
+_swap_lock = threading.Lock()
 # How deep the walk goes into a logger's attributes (dicts per label, per engine).
 _MAX_DEPTH = 4
 
@@ -107,8 +110,7 @@ def store_kind(parts: list[Any]) -> str | None:
 
     if all(type(p) is values.MutexValue for p in parts):
         return "mutex"
-    multi = values.ValueClass
-    if getattr(multi, "_multiprocess", False) is True and all(type(p) is multi for p in parts):
+    if multiprocess_values() and all(type(p) is values.ValueClass for p in parts):
         return "own"
     return None
 
@@ -124,18 +126,21 @@ def multiprocess_values() -> bool:
 def in_process_values() -> Iterator[None]:
     """Metrics made inside store their values in this process only (`MutexValue`).
     The self-check's private metrics must not reach the multiprocess files: every
-    API server's `/metrics` reads all of them. prometheus_client reads
-    `values.ValueClass` when a metric is made; the swap lasts the self-check
-    (about a millisecond, once per process, on the thread building the engine,
-    before the server serves)."""
+    API server's `/metrics` reads all of them, and a value writes its key there
+    when it is made. prometheus_client reads `values.ValueClass` when a metric is
+    made; the swap lasts one self-check (about a millisecond, on the thread
+    building the engine, before the server serves). A metric another thread made
+    in that window would keep an in-process value; the lock keeps two self-checks
+    from restoring in the wrong order."""
     from prometheus_client import values
 
-    multi = values.ValueClass
-    values.ValueClass = values.MutexValue
-    try:
-        yield
-    finally:
-        values.ValueClass = multi
+    with _swap_lock:
+        multi = values.ValueClass
+        values.ValueClass = values.MutexValue
+        try:
+            yield
+        finally:
+            values.ValueClass = multi
 
 
 def fast_labels(parent: Any) -> tuple[str, Any] | None:
@@ -296,6 +301,7 @@ def _warn_once(failure: str) -> None:
 _CHECK_CALLS: dict[str, list[tuple[Any, ...]]] = {
     "counter": [(), (0,), (3,), (0.25,), (-1,), (2**60,), (True,)],
     "gauge": [(3,), (0.5,), (True,), ("2.5",), (-7,), (None,)],
+    "gauge_mostrecent": [(3,), (0.5,), ("2.5",), (None,)],
     "histogram": [(0,), (0.001,), (0.0011,), (7,), (1e9,), (math.inf,), (-1.5,), (math.nan,), ("x",)],
 }
 
@@ -339,6 +345,9 @@ def _private_metrics(tag: str) -> dict[str, Any]:
     return {
         "counter": Counter(f"mmretry_check_{tag}_c", "check", ["k"], registry=None).labels("a"),
         "gauge": Gauge(f"mmretry_check_{tag}_g", "check", registry=None),
+        # Its `set` passes a timestamp: the keyword the multiprocess form passes on.
+        "gauge_mostrecent": Gauge(f"mmretry_check_{tag}_gm", "check", registry=None,
+                                  multiprocess_mode="mostrecent"),
         "histogram": Histogram(f"mmretry_check_{tag}_h", "check", registry=None,
                                buckets=(0.001, 0.5, 10.0)),
     }

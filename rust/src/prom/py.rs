@@ -71,27 +71,32 @@ impl MutexCell {
     }
 }
 
-/// A store updated through its own `inc` and `set`: prometheus_client's
-/// multiprocess `MmapedValue`, whose updates also check for a fork and write the
-/// process's file (that stays prometheus_client's code).
-struct OwnCell {
+/// A value updated through its own `inc` and `set`: prometheus_client's
+/// multiprocess `MmapedValue`, whose updates also take the process-wide lock,
+/// check for a fork and write the process's file (all prometheus_client's code).
+struct MethodStore {
     inc: Py<PyAny>,
     set: Py<PyAny>,
 }
 
 /// Where a child's number is stored, and how this binding updates it.
-enum Cell {
+enum Store {
     Mutex(MutexCell),
-    Own(OwnCell),
+    Methods(MethodStore),
 }
 
-impl Cell {
+impl Store {
     fn new(value: &Bound<'_, PyAny>, own_methods: bool) -> PyResult<Self> {
-        if !own_methods {
-            return MutexCell::new(value).map(Cell::Mutex);
+        if own_methods {
+            Self::methods(value)
+        } else {
+            MutexCell::new(value).map(Store::Mutex)
         }
+    }
+
+    fn methods(value: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = value.py();
-        Ok(Cell::Own(OwnCell {
+        Ok(Store::Methods(MethodStore {
             inc: value.getattr(pyo3::intern!(py, "inc"))?.unbind(),
             set: value.getattr(pyo3::intern!(py, "set"))?.unbind(),
         }))
@@ -100,13 +105,13 @@ impl Cell {
     /// The value's `inc(amount)`.
     fn inc(&self, py: Python<'_>, amount: &Bound<'_, PyAny>) -> PyResult<()> {
         match self {
-            Cell::Mutex(m) => m.inc(py, amount),
-            Cell::Own(o) => o.inc.bind(py).call1((amount,)).map(drop),
+            Store::Mutex(m) => m.inc(py, amount),
+            Store::Methods(o) => o.inc.bind(py).call1((amount,)).map(drop),
         }
     }
 
-    /// The value's `set(value)`, or `set(value, timestamp)` (a `MutexValue`
-    /// ignores the timestamp).
+    /// The value's `set(value)`, or `set(value, timestamp=...)` as `Gauge.set`
+    /// calls it for a "mostrecent" gauge (a `MutexValue` ignores the timestamp).
     fn set(
         &self,
         py: Python<'_>,
@@ -114,9 +119,13 @@ impl Cell {
         timestamp: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         match (self, timestamp) {
-            (Cell::Mutex(m), _) => m.set(py, value),
-            (Cell::Own(o), None) => o.set.bind(py).call1((value,)).map(drop),
-            (Cell::Own(o), Some(ts)) => o.set.bind(py).call1((value, ts)).map(drop),
+            (Store::Mutex(m), _) => m.set(py, value),
+            (Store::Methods(o), None) => o.set.bind(py).call1((value,)).map(drop),
+            (Store::Methods(o), Some(ts)) => {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item(pyo3::intern!(py, "timestamp"), ts)?;
+                o.set.bind(py).call((value,), Some(&kwargs)).map(drop)
+            }
         }
     }
 }
@@ -180,14 +189,14 @@ fn is_int_zero(amount: &Bound<'_, PyAny>) -> bool {
 
 /// A single-value child's store and its own method.
 struct Single {
-    cell: Cell,
+    cell: Store,
     original: Py<PyAny>,
 }
 
 impl Single {
     fn new(value: &Bound<'_, PyAny>, original: Py<PyAny>, own_methods: bool) -> PyResult<Self> {
         Ok(Self {
-            cell: Cell::new(value, own_methods)?,
+            cell: Store::new(value, own_methods)?,
             original,
         })
     }
@@ -218,7 +227,10 @@ impl FastCounterInc {
                 return Ok(None);
             }
             // `+= 0` of an int leaves any number the stored value can be as it was
-            // (most of vLLM's increments per message are of zero).
+            // (most of vLLM's increments per message are of zero). A multiprocess
+            // value's file already holds the key (written when the value was made);
+            // what its `inc(0)` would also do is notice a fork, which the next
+            // non-zero update still does (vLLM makes its metrics after its forks).
             if is_int_zero(amount) {
                 return Ok(Some(()));
             }
@@ -279,8 +291,8 @@ impl FastGaugeSet {
 /// `Histogram.observe` for one observable child.
 #[pyclass(frozen, module = "vllm_mmretry._core")]
 pub struct FastHistogramObserve {
-    sum: Cell,
-    buckets: Vec<Cell>,
+    sum: Store,
+    buckets: Vec<Store>,
     /// `_upper_bounds`, as Python floats (for amounts of other types) and as f64.
     bounds: Vec<Py<PyAny>>,
     bounds_f64: Vec<f64>,
@@ -304,10 +316,10 @@ impl FastHistogramObserve {
             ));
         }
         Ok(Self {
-            sum: Cell::new(sum, own_methods)?,
+            sum: Store::new(sum, own_methods)?,
             buckets: buckets
                 .iter()
-                .map(|b| Cell::new(b, own_methods))
+                .map(|b| Store::new(b, own_methods))
                 .collect::<PyResult<_>>()?,
             bounds_f64: bounds.iter().map(|b| b.value()).collect(),
             bounds: bounds.into_iter().map(|b| b.into_any().unbind()).collect(),
