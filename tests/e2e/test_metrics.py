@@ -158,23 +158,30 @@ def per_process_fallbacks(multiproc_dir: pathlib.Path, reason: str) -> dict[str,
 
 def test_counts_add_up_across_api_server_processes(
         two_api_servers: servers.Server, multiproc_dir: pathlib.Path, model: str) -> None:
-    n = 12
     before = scrape(two_api_servers).get(fallbacks("logprobs"), 0)
     before_per_pid = per_process_fallbacks(multiproc_dir, "logprobs")
     body = {"model": model, "max_tokens": 2, "temperature": 0, "logprobs": True,
             "top_logprobs": 1, "messages": [{"role": "user", "content": "hi"}]}
-    for _ in range(n):  # fresh connections: the kernel spreads them over both servers
-        assert chat(two_api_servers, body).status_code == 200
-    samples = wait_until(two_api_servers,
-                         lambda s: s.get(fallbacks("logprobs"), 0) == before + n)
+    # Fresh connections go to whichever process accepts first, and that runs in
+    # streaks (one CI run sent 12 in a row to one process): rounds of 12 until
+    # both processes have counted some.
+    sent = 0
+    for _ in range(10):
+        for _ in range(12):
+            assert chat(two_api_servers, body).status_code == 200
+        sent += 12
+        samples = wait_until(two_api_servers,
+                             lambda s, want=before + sent: s.get(fallbacks("logprobs"), 0) == want)
+        per_pid = per_process_fallbacks(multiproc_dir, "logprobs")
+        added = {pid: c - before_per_pid.get(pid, 0.0) for pid, c in per_pid.items()}
+        if len([c for c in added.values() if c > 0]) == 2:
+            break
     # Both API server processes counted some of them...
-    per_pid = per_process_fallbacks(multiproc_dir, "logprobs")
-    added = {pid: c - before_per_pid.get(pid, 0.0) for pid, c in per_pid.items()}
     assert len([c for c in added.values() if c > 0]) == 2, (added, before_per_pid)
-    assert sum(added.values()) == n, added
+    assert sum(added.values()) == sent, added
     # ...and every scrape, whichever process answers it, reports the sum.
     for _ in range(6):
-        assert scrape(two_api_servers).get(fallbacks("logprobs"), 0) == before + n
+        assert scrape(two_api_servers).get(fallbacks("logprobs"), 0) == before + sent
     assert len(info_labels(samples)) == 1, info_labels(samples)
 
 
@@ -195,7 +202,7 @@ def test_vllm_counts_add_up_with_native_updates_in_both_processes(
             "messages": [{"role": "user", "content": "count"}]}
     generated = 0
     n = 10
-    for _ in range(n):  # fresh connections: the kernel spreads them over both servers
+    for _ in range(n):  # fresh connections, answered by either process
         r = chat(two_api_servers, body)
         assert r.status_code == 200
         generated += r.json()["usage"]["completion_tokens"]
