@@ -601,9 +601,13 @@ impl OutputCore {
             let dict = |o: &Bound<'py, PyAny>| -> PyResult<Bound<'py, PyDict>> {
                 Ok(o.getattr(s!(py, "__dict__"))?.cast_into::<PyDict>()?)
             };
-            self.cls
-                .merge
-                .merge(cur, &cur_co, &dict(next)?, &dict(&next_co)?)
+            let (next, next_co) = (dict(next)?, dict(&next_co)?);
+            self.cls.merge.merge(
+                cur,
+                &cur_co,
+                &NextFields::new(&next),
+                &NextFields::new(&next_co),
+            )
         })
     }
 

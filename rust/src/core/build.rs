@@ -36,10 +36,6 @@ pub(super) fn new_with_dict<'py>(
     }
 }
 
-pub(super) fn copy_dict<'py>(d: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyDict>> {
-    d.copy()
-}
-
 impl Classes {
     pub(super) fn weight_spans<'py>(
         &self,
@@ -119,30 +115,28 @@ impl Classes {
                 f.sent_offset = f.n_out;
             }
         }
-        let co = copy_dict(f.co_template.bind(py))?;
-        co.set_item(self.fields.text.bind(py), text)?;
-        co.set_item(self.fields.token_ids.bind(py), token_ids)?;
+        let co_template = f.co_template.bind(py);
+        let mut co = NextFields::new(co_template);
+        co.set(&self.fields.text, text);
+        co.set(&self.fields.token_ids, token_ids);
         if let Some(code) = fr {
             let fs = self
                 .finish_strs
                 .get(code as usize)
                 .ok_or_else(|| PyValueError::new_err(format!("unknown finish_reason {code}")))?;
-            co.set_item(self.fields.finish_reason.bind(py), fs.bind(py))?;
-            co.set_item(self.fields.stop_reason.bind(py), stop_reason)?;
+            co.set(&self.fields.finish_reason, fs.bind(py).clone().into_any());
+            co.set(&self.fields.stop_reason, stop_reason);
             if let Some(m) = &f.spec_decode_metrics {
-                co.set_item(self.fields.spec_decode_metrics.bind(py), m.bind(py))?;
+                co.set(&self.fields.spec_decode_metrics, m.bind(py).clone());
             }
-            co.set_item(
-                self.fields.weight_versions.bind(py),
-                self.weight_spans(py, f)?,
-            )?;
+            co.set(&self.fields.weight_versions, self.weight_spans(py, f)?);
         }
         // Looked up only for a step that makes an output.
         let mut n1_ro = None;
         if let Some((cur, cur_co)) =
             self.merge_target(py, req.parent.is_some(), req.queue.as_ref())?
         {
-            let ro = self.next_ro_fields(py, f, finished, &kv, &ec)?;
+            let ro = self.next_ro_fields(py, f, finished, &kv, &ec);
             if self.merge.merge(&cur, &cur_co, &ro, &co)? {
                 return Ok(Built::Merged);
             }
@@ -150,7 +144,7 @@ impl Classes {
             // fields are the new output's too.
             n1_ro = Some(ro);
         }
-        let co = new_with_dict(self.completion_output.bind(py), co)?;
+        let co = new_with_dict(self.completion_output.bind(py), co.into_dict()?)?;
         let outputs = match &req.parent {
             None => PyList::new(py, [co])?.into_any(),
             Some(parent) => {
@@ -173,39 +167,42 @@ impl Classes {
                 }
             }
         };
-        let ro = match n1_ro {
+        let mut ro = match n1_ro {
             Some(ro) => ro,
-            None => self.next_ro_fields(py, f, finished, &kv, &ec)?,
+            None => self.next_ro_fields(py, f, finished, &kv, &ec),
         };
-        ro.set_item(self.fields.outputs.bind(py), outputs)?;
+        ro.set(&self.fields.outputs, outputs);
         Ok(Built::Output(new_with_dict(
             self.request_output.bind(py),
-            ro,
+            ro.into_dict()?,
         )?))
     }
 
     /// The fields of a fast request's next RequestOutput, but its `outputs`.
-    fn next_ro_fields<'py>(
-        &self,
+    fn next_ro_fields<'a, 'py>(
+        &'a self,
         py: Python<'py>,
-        f: &Fast,
+        f: &'a Fast,
         finished: bool,
         kv: &Bound<'py, PyAny>,
         ec: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> NextFields<'a, 'py> {
         // The template holds finished=False, no transfer params and the current
         // cached-token counts (written when prefill ends).
-        let ro = copy_dict(f.ro_template.bind(py))?;
+        let mut ro = NextFields::new(f.ro_template.bind(py));
         if finished {
-            ro.set_item(self.fields.finished.bind(py), true)?;
+            ro.set(
+                &self.fields.finished,
+                PyBool::new(py, true).to_owned().into_any(),
+            );
         }
         if !kv.is_none() {
-            ro.set_item(self.fields.kv_transfer_params.bind(py), kv)?;
+            ro.set(&self.fields.kv_transfer_params, kv.clone());
         }
         if !ec.is_none() {
-            ro.set_item(self.fields.ec_transfer_params.bind(py), ec)?;
+            ro.set(&self.fields.ec_transfer_params, ec.clone());
         }
-        Ok(ro)
+        ro
     }
 }
 

@@ -13,6 +13,52 @@
 
 use super::*;
 
+/// The fields of a next output (a RequestOutput or its completion) without building
+/// its dict: the step's values over the request's template. A merged step's output is
+/// never handed out, so copying the template for it would be wasted.
+pub(super) struct NextFields<'a, 'py> {
+    template: &'a Bound<'py, PyDict>,
+    /// The step's values, by interned field name (looked up by identity: every
+    /// name in the core and in the merge rules is interned).
+    set: Vec<(&'a Py<PyString>, Bound<'py, PyAny>)>,
+}
+
+impl<'a, 'py> NextFields<'a, 'py> {
+    pub(super) fn new(template: &'a Bound<'py, PyDict>) -> Self {
+        Self {
+            template,
+            set: Vec::with_capacity(8),
+        }
+    }
+
+    pub(super) fn set(&mut self, name: &'a Py<PyString>, value: Bound<'py, PyAny>) {
+        self.set.push((name, value));
+    }
+
+    /// The value for `name` (the last one set, else the template's; a missing field
+    /// reads as None).
+    fn get(&self, name: &Py<PyString>) -> PyResult<Bound<'py, PyAny>> {
+        if let Some((_, v)) = self.set.iter().rev().find(|(n, _)| n.is(name)) {
+            return Ok(v.clone());
+        }
+        let py = self.template.py();
+        Ok(self
+            .template
+            .get_item(name.bind(py))?
+            .unwrap_or_else(|| py.None().into_bound(py)))
+    }
+
+    /// The output's dict: a copy of the template with the step's values.
+    pub(super) fn into_dict(self) -> PyResult<Bound<'py, PyDict>> {
+        let py = self.template.py();
+        let d = self.template.copy()?;
+        for (name, value) in self.set {
+            d.set_item(name.bind(py), value)?;
+        }
+        Ok(d)
+    }
+}
+
 /// `RequestOutput.add`'s rules for the fields of one completion of the same index.
 pub(super) struct MergeRules {
     index: Py<PyString>,
@@ -71,27 +117,16 @@ impl MergeRules {
         }
     }
 
-    /// The value `next` holds for `name` (a missing field reads as None).
-    fn next_value<'py>(
-        next: &Bound<'py, PyDict>,
-        name: &Py<PyString>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = next.py();
-        Ok(next
-            .get_item(name.bind(py))?
-            .unwrap_or_else(|| py.None().into_bound(py)))
-    }
-
     /// `obj.f = next.f` for each name; with `unless_none`, only where next's is not None.
     fn assign_each(
         obj: &Bound<'_, PyAny>,
-        next: &Bound<'_, PyDict>,
+        next: &NextFields<'_, '_>,
         names: &[Py<PyString>],
         unless_none: bool,
     ) -> PyResult<()> {
         let py = obj.py();
         for name in names {
-            let v = Self::next_value(next, name)?;
+            let v = next.get(name)?;
             if !(unless_none && v.is_none()) {
                 obj.setattr(name.bind(py), v)?;
             }
@@ -101,10 +136,10 @@ impl MergeRules {
 
     /// Whether `cur` (a RequestOutput with one completion `cur_co`) can take `next`
     /// natively; checked in full before anything is written.
-    fn accepts(&self, cur_co: &Bound<'_, PyAny>, next_co: &Bound<'_, PyDict>) -> PyResult<bool> {
+    fn accepts(&self, cur_co: &Bound<'_, PyAny>, next_co: &NextFields<'_, '_>) -> PyResult<bool> {
         let py = cur_co.py();
         for name in &self.refused {
-            if !Self::next_value(next_co, name)?.is_none() {
+            if !next_co.get(name)?.is_none() {
                 return Ok(false);
             }
         }
@@ -113,7 +148,7 @@ impl MergeRules {
                 return Ok(false);
             }
         }
-        let index = Self::next_value(next_co, &self.index)?;
+        let index = next_co.get(&self.index)?;
         cur_co.getattr(self.index.bind(py))?.eq(index)
     }
 
@@ -124,29 +159,25 @@ impl MergeRules {
         &self,
         cur: &Bound<'_, PyAny>,
         cur_co: &Bound<'_, PyAny>,
-        next_ro: &Bound<'_, PyDict>,
-        next_co: &Bound<'_, PyDict>,
+        next_ro: &NextFields<'_, '_>,
+        next_co: &NextFields<'_, '_>,
     ) -> PyResult<bool> {
         if !self.accepts(cur_co, next_co)? {
             return Ok(false);
         }
         let py = cur.py();
         for name in &self.concatenated {
-            let joined = cur_co
-                .getattr(name.bind(py))?
-                .add(Self::next_value(next_co, name)?)?;
+            let joined = cur_co.getattr(name.bind(py))?.add(next_co.get(name)?)?;
             cur_co.setattr(name.bind(py), joined)?;
         }
         for name in &self.extended {
             let list = cur_co.getattr(name.bind(py))?;
-            list.call_method1(s!(py, "extend"), (Self::next_value(next_co, name)?,))?;
+            list.call_method1(s!(py, "extend"), (next_co.get(name)?,))?;
         }
         Self::assign_each(cur_co, next_co, &self.kept_unless_none, true)?;
         Self::assign_each(cur_co, next_co, &self.replaced, false)?;
         for name in &self.ro_or {
-            let v = cur
-                .getattr(name.bind(py))?
-                .bitor(Self::next_value(next_ro, name)?)?;
+            let v = cur.getattr(name.bind(py))?.bitor(next_ro.get(name)?)?;
             cur.setattr(name.bind(py), v)?;
         }
         Self::assign_each(cur, next_ro, &self.ro_replaced, false)?;

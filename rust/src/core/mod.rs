@@ -29,7 +29,7 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 
 use crate::detok::py::PyVocab;
 use crate::detok::{supports, DetokError, DetokParams, DetokState, Vocab};
@@ -453,4 +453,4 @@ mod stats;
 mod step;
 
 use build::Built;
-use merge::{MergeFieldNames, MergeRules};
+use merge::{MergeFieldNames, MergeRules, NextFields};
