@@ -124,7 +124,9 @@ def test_only_single_observable_children_with_mutex_values_qualify() -> None:
     assert prom.fast_method(child) is None  # never twice
     assert prom.fast_method(Summary("t_q_summary", "doc", registry=None)) is None
     other = Gauge("t_q_gauge", "doc", registry=None)
+    assert prom.updates_through_own_methods([other._value]) is False
     other._value = object.__new__(type("OtherValue", (), {}))  # e.g. multiprocess
+    assert prom.updates_through_own_methods([other._value]) is None
     assert prom.fast_method(other) is None
     h = Histogram("t_q_hist", "doc", registry=None)
     assert all(type(b) is MutexValue for b in h._buckets)

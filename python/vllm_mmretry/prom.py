@@ -79,10 +79,9 @@ def fast_method(child: Any, own_methods: bool | None = None) -> tuple[str, Any] 
     if name in vars(child):
         return None  # already replaced, by us or by someone else
     parts = [child._sum, *child._buckets] if kind is Histogram else [child._value]
-    store = store_kind(parts) if own_methods is None else ("own" if own_methods else "mutex")
-    if store is None:
+    own = updates_through_own_methods(parts) if own_methods is None else own_methods
+    if own is None:
         return None
-    own = store == "own"
     # Weak: the child holds the stand-in, which must not hold the child.
     original = weakref.WeakMethod(getattr(child, name))
     if kind is Histogram:
@@ -101,17 +100,17 @@ def fast_method(child: Any, own_methods: bool | None = None) -> tuple[str, Any] 
     return name, _core.FastCounterInc(child._value, original, own_methods=own)
 
 
-def store_kind(parts: list[Any]) -> str | None:
-    """How a stand-in updates these values: "mutex" for `MutexValue`s (natively,
-    under their lock), "own" for the multiprocess store (`--api-server-count` > 1:
-    through its own `inc`/`set`, which check for a fork and write the process's
-    file), None for anything else."""
+def updates_through_own_methods(parts: list[Any]) -> bool | None:
+    """How a stand-in updates these values: False for `MutexValue`s (natively, under
+    their lock), True for the multiprocess store (`--api-server-count` > 1: through
+    its own `inc`/`set`, which check for a fork and write the process's file), None
+    (no stand-in) for anything else."""
     from prometheus_client import values
 
     if all(type(p) is values.MutexValue for p in parts):
-        return "mutex"
+        return False
     if multiprocess_values() and all(type(p) is values.ValueClass for p in parts):
-        return "own"
+        return True
     return None
 
 

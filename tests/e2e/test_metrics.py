@@ -174,10 +174,11 @@ def test_counts_add_up_across_api_server_processes(
                              lambda s, want=before + sent: s.get(fallbacks("logprobs"), 0) == want)
         per_pid = per_process_fallbacks(multiproc_dir, "logprobs")
         added = {pid: c - before_per_pid.get(pid, 0.0) for pid, c in per_pid.items()}
-        if len([c for c in added.values() if c > 0]) == 2:
+        both_counted = len([c for c in added.values() if c > 0]) == 2
+        if both_counted:
             break
     # Both API server processes counted some of them...
-    assert len([c for c in added.values() if c > 0]) == 2, (added, before_per_pid)
+    assert both_counted, (added, before_per_pid)
     assert sum(added.values()) == sent, added
     # ...and every scrape, whichever process answers it, reports the sum.
     for _ in range(6):

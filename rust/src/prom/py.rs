@@ -85,21 +85,23 @@ enum Store {
     Methods(MethodStore),
 }
 
+impl MethodStore {
+    fn new(value: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = value.py();
+        Ok(MethodStore {
+            inc: value.getattr(pyo3::intern!(py, "inc"))?.unbind(),
+            set: value.getattr(pyo3::intern!(py, "set"))?.unbind(),
+        })
+    }
+}
+
 impl Store {
     fn new(value: &Bound<'_, PyAny>, own_methods: bool) -> PyResult<Self> {
         if own_methods {
-            Self::methods(value)
+            MethodStore::new(value).map(Store::Methods)
         } else {
             MutexCell::new(value).map(Store::Mutex)
         }
-    }
-
-    fn methods(value: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let py = value.py();
-        Ok(Store::Methods(MethodStore {
-            inc: value.getattr(pyo3::intern!(py, "inc"))?.unbind(),
-            set: value.getattr(pyo3::intern!(py, "set"))?.unbind(),
-        }))
     }
 
     /// The value's `inc(amount)`.
