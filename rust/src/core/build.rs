@@ -115,8 +115,7 @@ impl Classes {
                 f.sent_offset = f.n_out;
             }
         }
-        let co_template = f.co_template.bind(py);
-        let mut co = NextFields::new(co_template);
+        let mut co = NextFields::new(f.co_template.bind(py));
         co.set(&self.fields.text, text);
         co.set(&self.fields.token_ids, token_ids);
         if let Some(code) = fr {

@@ -13,6 +13,46 @@
 
 use super::*;
 
+/// A list that keeps its first `N` items inline and only further ones on the heap.
+pub(super) struct SmallList<T, const N: usize> {
+    inline: [Option<T>; N],
+    n_inline: usize,
+    more: Vec<T>,
+}
+
+impl<T, const N: usize> SmallList<T, N> {
+    pub(super) fn new() -> Self {
+        Self {
+            inline: [const { None }; N],
+            n_inline: 0,
+            more: Vec::new(),
+        }
+    }
+
+    pub(super) fn push(&mut self, item: T) {
+        match self.inline.get_mut(self.n_inline) {
+            Some(slot) => {
+                *slot = Some(item);
+                self.n_inline += 1;
+            }
+            None => self.more.push(item),
+        }
+    }
+
+    /// The items in the order pushed.
+    pub(super) fn iter(&self) -> impl DoubleEndedIterator<Item = &T> {
+        self.inline[..self.n_inline]
+            .iter()
+            .flatten()
+            .chain(self.more.iter())
+    }
+}
+
+/// How many step values a `NextFields` holds without allocating: a completion sets
+/// at most six (text, token ids, finish and stop reason, speculative-decoding
+/// metrics, weight versions), a RequestOutput four.
+const INLINE_VALUES: usize = 6;
+
 /// The fields of a next output (a RequestOutput or its completion) without building
 /// its dict: the step's values over the request's template. A merged step's output is
 /// never handed out, so copying the template for it would be wasted.
@@ -20,14 +60,14 @@ pub(super) struct NextFields<'a, 'py> {
     template: &'a Bound<'py, PyDict>,
     /// The step's values, by interned field name (looked up by identity: every
     /// name in the core and in the merge rules is interned).
-    set: Vec<(&'a Py<PyString>, Bound<'py, PyAny>)>,
+    set: SmallList<(&'a Py<PyString>, Bound<'py, PyAny>), INLINE_VALUES>,
 }
 
 impl<'a, 'py> NextFields<'a, 'py> {
     pub(super) fn new(template: &'a Bound<'py, PyDict>) -> Self {
         Self {
             template,
-            set: Vec::with_capacity(8),
+            set: SmallList::new(),
         }
     }
 
@@ -52,7 +92,7 @@ impl<'a, 'py> NextFields<'a, 'py> {
     pub(super) fn into_dict(self) -> PyResult<Bound<'py, PyDict>> {
         let py = self.template.py();
         let d = self.template.copy()?;
-        for (name, value) in self.set {
+        for (name, value) in self.set.iter() {
             d.set_item(name.bind(py), value)?;
         }
         Ok(d)
@@ -227,5 +267,25 @@ impl Classes {
             .single_completion(&cur)?
             .filter(|co| co.get_type().is(self.completion_output.bind(py)))
             .map(|co| (cur, co)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SmallList;
+
+    #[test]
+    fn small_list_keeps_push_order_past_its_inline_items() {
+        for n in 0..6 {
+            let mut l: SmallList<usize, 2> = SmallList::new();
+            for i in 0..n {
+                l.push(i);
+            }
+            assert_eq!(
+                l.iter().copied().collect::<Vec<_>>(),
+                (0..n).collect::<Vec<_>>()
+            );
+            assert_eq!(l.iter().next_back().copied(), n.checked_sub(1));
+        }
     }
 }
