@@ -57,17 +57,19 @@ impl Classes {
     /// vLLM's `RequestState.make_request_output` for a fast request; when the
     /// request's collector still holds an output, merged into it natively where
     /// the merge rules allow (`merge.rs`).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn make_fast_output<'py>(
         &self,
         py: Python<'py>,
         req: &mut Req,
-        new_ids: Bound<'py, PyAny>,
-        fr: Option<i64>,
-        stop_reason: Bound<'py, PyAny>,
-        kv: Bound<'py, PyAny>,
-        ec: Bound<'py, PyAny>,
+        step: StepOut<'py>,
     ) -> PyResult<Built<'py>> {
+        let StepOut {
+            new_ids,
+            finish: fr,
+            stop_reason,
+            kv,
+            ec,
+        } = step;
         let Mode::Fast(f) = &mut req.mode else {
             unreachable!("fast output for a fallback request")
         };
@@ -203,6 +205,19 @@ impl Classes {
         }
         ro
     }
+}
+
+/// What one step brought a fast request, for building its output.
+pub(super) struct StepOut<'py> {
+    /// The step's token ids (stop-string surplus already dropped).
+    pub(super) new_ids: Bound<'py, PyAny>,
+    /// The finish-reason code when the request ends this step.
+    pub(super) finish: Option<i64>,
+    /// vLLM's stop reason; None unless the request ends.
+    pub(super) stop_reason: Bound<'py, PyAny>,
+    /// The KV and encoder-cache transfer parameters (None when not sent).
+    pub(super) kv: Bound<'py, PyAny>,
+    pub(super) ec: Bound<'py, PyAny>,
 }
 
 /// What `make_fast_output` made of a step.

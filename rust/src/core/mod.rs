@@ -452,5 +452,5 @@ mod merge;
 mod stats;
 mod step;
 
-use build::Built;
+use build::{Built, StepOut};
 use merge::{MergeFieldNames, MergeRules, NextFields};

@@ -102,24 +102,23 @@ impl Helpers {
 
 impl OutputCore {
     /// `_finish_request` + stop-string abort + finished stats.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn finish<'py>(
         &mut self,
         py: Python<'py>,
         id: &str,
         fr_obj: &Bound<'py, PyAny>,
         engine_finished: bool,
-        iteration_stats: &Bound<'py, PyAny>,
         eco: &Bound<'py, PyAny>,
-        aborts: &Bound<'py, PyList>,
+        cx: &Step<'_, 'py>,
     ) -> PyResult<()> {
         let Some(req) = self.table.remove(id) else {
             return Ok(());
         };
         self.forget_parent_if_done(py, &req)?;
         if !engine_finished {
-            aborts.append(req.id.bind(py))?;
+            cx.aborts.append(req.id.bind(py))?;
         }
+        let iteration_stats = cx.iteration_stats;
         if !iteration_stats.is_none() {
             Self::sync_state(&self.cls, py, &req)?;
             self.helpers.finished_stats.bind(py).call1((
@@ -429,7 +428,7 @@ impl OutputCore {
         }
         let req = self.table.get(slot).unwrap();
         self.publish(py, req, out, outs)?;
-        self.finish(py, rid, fr_obj, true, iteration_stats, eco, aborts)?;
+        self.finish(py, rid, fr_obj, true, eco, cx)?;
         Ok(())
     }
 
@@ -447,8 +446,8 @@ impl OutputCore {
             iteration_stats,
             weight_version,
             outs,
-            aborts,
             decode,
+            ..
         } = *cx;
         let mut fr = finish_code(&fr_obj)?;
         self.fast_steps += 1;
@@ -593,16 +592,19 @@ impl OutputCore {
         // 3) Build and hand over the output.
         let out = {
             let req = self.table.get_mut(slot).unwrap();
-            let none = py.None().into_bound(py);
-            self.cls.make_fast_output(
-                py,
-                req,
+            let stop_reason = if fr.is_some() {
+                stop_reason
+            } else {
+                py.None().into_bound(py)
+            };
+            let step = StepOut {
                 new_ids,
-                fr,
-                if fr.is_some() { stop_reason } else { none },
+                finish: fr,
+                stop_reason,
                 kv,
                 ec,
-            )?
+            };
+            self.cls.make_fast_output(py, req, step)?
         };
         let req = self.table.get(slot).unwrap();
         match out {
@@ -611,15 +613,7 @@ impl OutputCore {
             Built::Nothing => {}
         }
         if fr.is_some() {
-            self.finish(
-                py,
-                rid,
-                &fr_obj,
-                engine_finished,
-                iteration_stats,
-                ev.obj(),
-                aborts,
-            )?;
+            self.finish(py, rid, &fr_obj, engine_finished, ev.obj(), cx)?;
         }
         Ok(())
     }
@@ -664,16 +658,14 @@ impl OutputCore {
                     )?;
                     if req.queue.is_some() {
                         let none = py.None().into_bound(py);
-                        let empty = PyList::empty(py).into_any();
-                        let out = self.cls.make_fast_output(
-                            py,
-                            &mut req,
-                            empty,
-                            Some(self.cls.finish.abort),
-                            none.clone(),
-                            none.clone(),
-                            none,
-                        )?;
+                        let step = StepOut {
+                            new_ids: PyList::empty(py).into_any(),
+                            finish: Some(self.cls.finish.abort),
+                            stop_reason: none.clone(),
+                            kv: none.clone(),
+                            ec: none,
+                        };
+                        let out = self.cls.make_fast_output(py, &mut req, step)?;
                         if let (Built::Output(out), Some(q)) = (out, req.queue.as_ref()) {
                             self.put(py, q, &out)?;
                         }
