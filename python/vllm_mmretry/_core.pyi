@@ -15,7 +15,7 @@ __all__ = [
     "native_detok_fallback_reason",
 ]
 
-from vllm_mmretry.vllm_adapter.base import CoreSpec, FastSpec, OutputsWire
+from vllm_mmretry.vllm_adapter.base import CoreSpec, NewRequest, OutputsWire
 
 __version__: str
 
@@ -35,18 +35,7 @@ class OutputCore:
     native_merge: bool
     def __new__(cls, spec: CoreSpec) -> OutputCore:
         """`spec`: built by the adapter of the running vLLM (read by field name)."""
-    def add(
-        self,
-        request_id: str,
-        external_req_id: str,
-        state: Any,
-        parent: Any | None,
-        queue: Any | None,
-        fast: FastSpec | None,
-        fallback_reason: str | None,
-        streaming: bool,
-        is_pooling: bool,
-    ) -> None: ...
+    def add(self, request: NewRequest) -> None: ...
     def process(
         self,
         engine_core_outputs: list[Any],

@@ -50,7 +50,7 @@ from vllm_mmretry import _core, prom
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.switches import switch_on
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
-from vllm_mmretry.vllm_adapter.base import SelfCheck
+from vllm_mmretry.vllm_adapter.base import NewRequest, SelfCheck
 
 _vllm = adapter()
 MISS_CODE = "multimodal_cache_miss"
@@ -243,8 +243,11 @@ class OutputProcessor:
             reason = "self_check_objects"
         fast = None if reason else _vllm.fast_spec(state, request, self._detok_reason, self._check)
         _, external_id, streaming, is_pooling = _vllm.request_identity(request, state)
-        self._core.add(request_id, external_id, state, parent_req, queue, fast, reason,
-                       streaming, is_pooling)
+        self._core.add(NewRequest(
+            request_id=request_id, external_req_id=external_id, state=state, parent=parent_req,
+            queue=queue, fast=fast, fallback_reason=reason, streaming=streaming,
+            is_pooling=is_pooling,
+        ))
         if fast is None:
             self._stock.hand_over(state)
         self._update_admission_stats()

@@ -195,6 +195,21 @@ class FastSpec:
     co_template: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the core starts tracking (`_core.OutputCore.add`)."""
+
+    request_id: str
+    external_req_id: str
+    state: Any  # vLLM's RequestState
+    parent: Any | None  # vLLM's ParentRequest (n > 1)
+    queue: Any | None  # the request's RequestOutputCollector (AsyncLLM)
+    fast: FastSpec | None  # None: vLLM's per-request step runs it, for fallback_reason
+    fallback_reason: str | None
+    streaming: bool  # streaming input (the request can be resumed)
+    is_pooling: bool
+
+
 # Output fields the native path fills per output; everything else in a template
 # comes from vLLM's constructors unchanged (checked at start-up).
 RO_FILLED = ("outputs", "finished", "kv_transfer_params", "ec_transfer_params",

@@ -131,169 +131,54 @@ impl OutputCore {
         })
     }
 
-    /// Track a new request. `fast` is a `vllm_adapter.base.FastSpec`
-    /// (None: run vLLM's per-request step, `fallback_reason` says why).
-    #[pyo3(signature = (request_id, external_req_id, state, parent, queue, fast, fallback_reason, streaming, is_pooling))]
-    #[allow(clippy::too_many_arguments)]
-    fn add(
-        &mut self,
-        py: Python<'_>,
-        request_id: &Bound<'_, PyString>,
-        external_req_id: &str,
-        state: &Bound<'_, PyAny>,
-        parent: Option<&Bound<'_, PyAny>>,
-        queue: Option<&Bound<'_, PyAny>>,
-        fast: Option<FastSpec<'_>>,
-        fallback_reason: Option<&str>,
-        streaming: bool,
-        is_pooling: bool,
-    ) -> PyResult<()> {
+    /// Track a new request (`vllm_adapter.base.NewRequest`).
+    fn add(&mut self, py: Python<'_>, request: NewRequest<'_>) -> PyResult<()> {
         api("add", || {
+            let NewRequest {
+                request_id,
+                external_req_id,
+                state,
+                parent,
+                queue,
+                fast,
+                fallback_reason,
+                streaming,
+                is_pooling,
+            } = request;
             let id = request_id.to_str()?;
             if self.table.contains(id) {
                 return Err(PyValueError::new_err(format!(
                     "request {id:?} is already tracked by the output processor"
                 )));
             }
-            let queue = match queue {
+            let queue = match &queue {
                 None => None,
-                Some(q) => {
-                    // Only fast requests' outputs are put inline; the others go
-                    // through the collector's own `put`.
-                    let exact = fast.is_some() && q.get_type().is(self.cls.collector.bind(py));
-                    let dict = if exact {
-                        q.getattr("__dict__")?.cast_into::<PyDict>().ok()
-                    } else {
-                        None
-                    };
-                    let ready = match &dict {
-                        Some(_) => {
-                            let r = q.getattr(self.cls.obj.collector_ready.bind(py))?;
-                            if r.get_type().is(self.cls.event.bind(py)) {
-                                r.getattr("__dict__")?
-                                    .cast_into::<PyDict>()
-                                    .ok()
-                                    .map(|d| (r.unbind(), d.unbind()))
-                            } else {
-                                None
-                            }
-                        }
-                        None => None,
-                    };
-                    Some(Queue {
-                        obj: q.clone().unbind(),
-                        exact,
-                        aggregate: if exact {
-                            q.getattr(self.cls.obj.collector_aggregate.bind(py))?
-                                .extract()?
-                        } else {
-                            false
-                        },
-                        dict: dict.map(|d| d.unbind()),
-                        ready,
-                    })
-                }
+                Some(q) => Some(self.queue_for(py, q, fast.is_some())?),
             };
-            let mode = match fast {
-                None => {
-                    *self
-                        .fallbacks
-                        .entry(fallback_reason.unwrap_or("unspecified").to_owned())
-                        .or_default() += 1;
-                    Mode::Stock
-                }
-                Some(d) => {
-                    let kind = match d.output_kind {
-                        0 => OutKind::Cumulative,
-                        1 => OutKind::Delta,
-                        2 => OutKind::FinalOnly,
-                        k => return Err(PyValueError::new_err(format!("unknown output_kind {k}"))),
-                    };
-                    let stream_interval = d.stream_interval.max(1) as usize;
-                    let has_native = d.native.is_some();
-                    let detok = match (d.native, &self.vocab) {
-                        (Some(n), Some(vocab)) => {
-                            match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
-                                Ok(nd) => {
-                                    self.native_requests += 1;
-                                    Detok::Native(Box::new(nd))
-                                }
-                                Err(reason) => {
-                                    *self.python_detok.entry(reason.to_owned()).or_default() += 1;
-                                    Detok::Python(d.detokenizer.unbind())
-                                }
-                            }
-                        }
-                        _ => {
-                            let reason = match d.detok_reason {
-                                Some(r) => r,
-                                None if has_native => "no_native_vocab".to_owned(),
-                                None => "unspecified".to_owned(),
-                            };
-                            *self.python_detok.entry(reason).or_default() += 1;
-                            Detok::Python(d.detokenizer.unbind())
-                        }
-                    };
-                    Mode::Fast(Box::new(Fast {
-                        detok,
-                        kind,
-                        stream_interval,
-                        sent_offset: 0,
-                        n_out: d.num_output_tokens,
-                        ro_template: d.ro_template.unbind(),
-                        co_template: d.co_template.unbind(),
-                        spec_decode_metrics: None,
-                        weight_starts: Vec::new(),
-                    }))
-                }
-            };
+            let mode = self.mode_for(py, fast, fallback_reason)?;
+            let progress = self.progress_of(py, &state, &mode)?;
             let o = &self.cls.obj;
-            let get = |name: &Py<PyString>| state.getattr(name.bind(py));
-            // A stock-owned request's progress is the stock processor's to keep.
-            let progress = match &mode {
-                Mode::Fast(_) => {
-                    let remote = get(&o.remote_prefill_cached_tokens)?;
-                    Progress {
-                        stats: get(&o.stats)?.unbind(),
-                        prompt_len: get(&o.prompt_len)?.extract()?,
-                        is_prefilling: get(&o.is_prefilling)?.extract()?,
-                        num_cached_tokens: get(&o.num_cached_tokens)?.unbind(),
-                        num_cache_creation_tokens: get(&o.num_cache_creation_tokens)?.unbind(),
-                        remote_prefill_cached_tokens: (!remote.is_none()).then(|| remote.unbind()),
-                    }
-                }
-                Mode::Stock => Progress {
-                    stats: py.None(),
-                    prompt_len: 0,
-                    is_prefilling: false,
-                    num_cached_tokens: py.None(),
-                    num_cache_creation_tokens: py.None(),
-                    remote_prefill_cached_tokens: None,
-                },
-            };
             let req = Req {
                 id: request_id.clone().unbind(),
-                state: state.clone().unbind(),
-                parent: parent.map(|p| p.clone().unbind()),
-                siblings: match parent {
+                lora_name: state.getattr(o.lora_name.bind(py))?.unbind(),
+                state: state.unbind(),
+                siblings: match &parent {
                     Some(p) => Some(p.getattr(o.child_requests.bind(py))?.unbind()),
                     None => None,
                 },
+                parent: parent.as_ref().map(|p| p.clone().unbind()),
                 queue,
-                lora_name: get(&o.lora_name)?.unbind(),
                 progress,
                 streaming,
                 is_pooling,
                 mode,
             };
             if let Some(p) = parent {
-                let pid: String = p
-                    .getattr(self.cls.obj.parent_request_id.bind(py))?
-                    .extract()?;
-                self.parents.insert(pid, p.clone().unbind());
+                let pid: String = p.getattr(o.parent_request_id.bind(py))?.extract()?;
+                self.parents.insert(pid, p.unbind());
             }
             self.table
-                .insert(id, external_req_id, req)
+                .insert(id, &external_req_id, req)
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
             Ok(())
         })
@@ -627,5 +512,142 @@ impl OutputCore {
         }
         visit.call(&self.lora_states)?;
         Ok(())
+    }
+}
+
+/// The parts of a new request the core keeps.
+impl OutputCore {
+    /// The request's collector as the core puts outputs into it.
+    fn queue_for(&self, py: Python<'_>, q: &Bound<'_, PyAny>, fast: bool) -> PyResult<Queue> {
+        // Only fast requests' outputs are put inline; the others go
+        // through the collector's own `put`.
+        let exact = fast && q.get_type().is(self.cls.collector.bind(py));
+        let dict = if exact {
+            q.getattr("__dict__")?.cast_into::<PyDict>().ok()
+        } else {
+            None
+        };
+        let ready = match &dict {
+            Some(_) => {
+                let r = q.getattr(self.cls.obj.collector_ready.bind(py))?;
+                if r.get_type().is(self.cls.event.bind(py)) {
+                    r.getattr("__dict__")?
+                        .cast_into::<PyDict>()
+                        .ok()
+                        .map(|d| (r.unbind(), d.unbind()))
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        Ok(Queue {
+            obj: q.clone().unbind(),
+            exact,
+            aggregate: if exact {
+                q.getattr(self.cls.obj.collector_aggregate.bind(py))?
+                    .extract()?
+            } else {
+                false
+            },
+            dict: dict.map(|d| d.unbind()),
+            ready,
+        })
+    }
+
+    /// Fast (with its detokenizer, native when it can be) or vLLM's per-request
+    /// step; counts why a request is not fast or not natively detokenized.
+    fn mode_for(
+        &mut self,
+        py: Python<'_>,
+        fast: Option<FastSpec<'_>>,
+        fallback_reason: Option<String>,
+    ) -> PyResult<Mode> {
+        Ok(match fast {
+            None => {
+                *self
+                    .fallbacks
+                    .entry(fallback_reason.unwrap_or_else(|| "unspecified".to_owned()))
+                    .or_default() += 1;
+                Mode::Stock
+            }
+            Some(d) => {
+                let kind = match d.output_kind {
+                    0 => OutKind::Cumulative,
+                    1 => OutKind::Delta,
+                    2 => OutKind::FinalOnly,
+                    k => return Err(PyValueError::new_err(format!("unknown output_kind {k}"))),
+                };
+                let stream_interval = d.stream_interval.max(1) as usize;
+                let has_native = d.native.is_some();
+                let detok = match (d.native, &self.vocab) {
+                    (Some(n), Some(vocab)) => {
+                        match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
+                            Ok(nd) => {
+                                self.native_requests += 1;
+                                Detok::Native(Box::new(nd))
+                            }
+                            Err(reason) => {
+                                *self.python_detok.entry(reason.to_owned()).or_default() += 1;
+                                Detok::Python(d.detokenizer.unbind())
+                            }
+                        }
+                    }
+                    _ => {
+                        let reason = match d.detok_reason {
+                            Some(r) => r,
+                            None if has_native => "no_native_vocab".to_owned(),
+                            None => "unspecified".to_owned(),
+                        };
+                        *self.python_detok.entry(reason).or_default() += 1;
+                        Detok::Python(d.detokenizer.unbind())
+                    }
+                };
+                Mode::Fast(Box::new(Fast {
+                    detok,
+                    kind,
+                    stream_interval,
+                    sent_offset: 0,
+                    n_out: d.num_output_tokens,
+                    ro_template: d.ro_template.unbind(),
+                    co_template: d.co_template.unbind(),
+                    spec_decode_metrics: None,
+                    weight_starts: Vec::new(),
+                }))
+            }
+        })
+    }
+
+    /// The request's progress as the core keeps it (a fast request's only).
+    fn progress_of(
+        &self,
+        py: Python<'_>,
+        state: &Bound<'_, PyAny>,
+        mode: &Mode,
+    ) -> PyResult<Progress> {
+        let o = &self.cls.obj;
+        let get = |name: &Py<PyString>| state.getattr(name.bind(py));
+        // A stock-owned request's progress is the stock processor's to keep.
+        Ok(match mode {
+            Mode::Fast(_) => {
+                let remote = get(&o.remote_prefill_cached_tokens)?;
+                Progress {
+                    stats: get(&o.stats)?.unbind(),
+                    prompt_len: get(&o.prompt_len)?.extract()?,
+                    is_prefilling: get(&o.is_prefilling)?.extract()?,
+                    num_cached_tokens: get(&o.num_cached_tokens)?.unbind(),
+                    num_cache_creation_tokens: get(&o.num_cache_creation_tokens)?.unbind(),
+                    remote_prefill_cached_tokens: (!remote.is_none()).then(|| remote.unbind()),
+                }
+            }
+            Mode::Stock => Progress {
+                stats: py.None(),
+                prompt_len: 0,
+                is_prefilling: false,
+                num_cached_tokens: py.None(),
+                num_cache_creation_tokens: py.None(),
+                remote_prefill_cached_tokens: None,
+            },
+        })
     }
 }

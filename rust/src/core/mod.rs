@@ -311,6 +311,25 @@ struct HelperSpec<'py> {
     failed_output: Bound<'py, PyAny>,
 }
 
+/// `vllm_adapter.base.NewRequest`: a request the core starts tracking.
+#[derive(FromPyObject)]
+struct NewRequest<'py> {
+    request_id: Bound<'py, PyString>,
+    external_req_id: String,
+    /// vLLM's `RequestState`.
+    state: Bound<'py, PyAny>,
+    /// vLLM's `ParentRequest` (n > 1).
+    parent: Option<Bound<'py, PyAny>>,
+    /// The request's `RequestOutputCollector` (AsyncLLM).
+    queue: Option<Bound<'py, PyAny>>,
+    /// None: vLLM's per-request step runs it, for `fallback_reason`.
+    fast: Option<FastSpec<'py>>,
+    fallback_reason: Option<String>,
+    /// Streaming input (the request can be resumed).
+    streaming: bool,
+    is_pooling: bool,
+}
+
 /// `vllm_adapter.base.FastSpec`: how one request runs on the fast path.
 #[derive(FromPyObject)]
 struct FastSpec<'py> {
