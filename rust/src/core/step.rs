@@ -497,29 +497,7 @@ impl OutputCore {
             )?;
         }
         if let Some(ps) = prefill_stats {
-            if !ps.is_none() {
-                req.progress.num_cached_tokens = ps
-                    .getattr(self.cls.obj.num_cached_tokens.bind(py))?
-                    .unbind();
-                req.progress.num_cache_creation_tokens = ps
-                    .getattr(self.cls.obj.num_cache_creation_tokens.bind(py))?
-                    .unbind();
-            }
-            if let Some(r) = &req.progress.remote_prefill_cached_tokens {
-                req.progress.num_cached_tokens = r.clone_ref(py);
-            }
-            req.progress.is_prefilling = false;
-            if let Mode::Fast(f) = &req.mode {
-                let t = f.ro_template.bind(py);
-                t.set_item(
-                    self.cls.fields.num_cached_tokens.bind(py),
-                    req.progress.num_cached_tokens.bind(py),
-                )?;
-                t.set_item(
-                    self.cls.fields.num_cache_creation_tokens.bind(py),
-                    req.progress.num_cache_creation_tokens.bind(py),
-                )?;
-            }
+            Self::end_prefill(&self.cls, py, req, &ps)?;
         }
         let Mode::Fast(f) = &mut req.mode else {
             unreachable!()
@@ -528,53 +506,14 @@ impl OutputCore {
             f.spec_decode_metrics = Some(spec.unbind());
         }
         let n_new = new_ids.len()?;
-        if n_new > 0 && !weight_version.is_none() {
-            let changed = match f.weight_starts.last() {
-                None => true,
-                Some((v, _)) => !v.bind(py).eq(weight_version)?,
-            };
-            if changed {
-                f.weight_starts
-                    .push((weight_version.clone().unbind(), f.n_out));
-            }
+        if n_new > 0 {
+            note_weight_version(f, weight_version)?;
         }
 
         // 2) Detokenize and check stop strings.
         let stop_terminated = fr == Some(self.cls.finish.stop);
-        let (stop, n_now): (Option<Bound<'py, PyAny>>, usize) = match &mut f.detok {
-            Detok::Python(detok) => {
-                let detok = detok.bind(py);
-                let stop = detok.call_method1(
-                    self.cls.obj.detok_update.bind(py),
-                    (&new_ids, stop_terminated),
-                )?;
-                if stop.is_truthy()? {
-                    let n_now: usize = detok
-                        .call_method0(self.cls.obj.detok_num_output_tokens.bind(py))?
-                        .extract()?;
-                    (Some(stop), n_now)
-                } else {
-                    (None, f.n_out + n_new)
-                }
-            }
-            Detok::Native(nd) => {
-                read_ids(&new_ids, &mut self.ids_buf)?;
-                let (st, ids) = (&mut nd.st, &self.ids_buf);
-                let stop =
-                    guarded("update", || st.update(ids, stop_terminated))?.map_err(detok_err)?;
-                let n_now = nd.st.num_output_tokens();
-                if let Some(l) = &nd.ids {
-                    let l = l.bind(py);
-                    for x in new_ids.try_iter()? {
-                        l.append(x?)?;
-                    }
-                    if l.len() > n_now {
-                        l.del_slice(n_now, l.len())?;
-                    }
-                }
-                (stop.map(|s| PyString::new(py, &s).into_any()), n_now)
-            }
-        };
+        let (stop, n_now) =
+            Self::detokenize(&self.cls, f, &new_ids, stop_terminated, &mut self.ids_buf)?;
         if let Some(stop) = stop {
             fr = Some(self.cls.finish.stop);
             fr_obj = self.cls.finish_objs[self.cls.finish.stop as usize]
@@ -616,6 +555,87 @@ impl OutputCore {
             self.finish(py, rid, &fr_obj, engine_finished, ev.obj(), cx)?;
         }
         Ok(())
+    }
+
+    /// The request's first output after prefill: its cached-token counts from the
+    /// engine's prefill statistics (or the remote prefill's), kept in its progress
+    /// and in its RequestOutput template.
+    fn end_prefill(
+        cls: &Classes,
+        py: Python<'_>,
+        req: &mut Req,
+        prefill_stats: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let p = &mut req.progress;
+        if !prefill_stats.is_none() {
+            p.num_cached_tokens = prefill_stats
+                .getattr(cls.obj.num_cached_tokens.bind(py))?
+                .unbind();
+            p.num_cache_creation_tokens = prefill_stats
+                .getattr(cls.obj.num_cache_creation_tokens.bind(py))?
+                .unbind();
+        }
+        if let Some(r) = &p.remote_prefill_cached_tokens {
+            p.num_cached_tokens = r.clone_ref(py);
+        }
+        p.is_prefilling = false;
+        if let Mode::Fast(f) = &req.mode {
+            let t = f.ro_template.bind(py);
+            t.set_item(
+                cls.fields.num_cached_tokens.bind(py),
+                p.num_cached_tokens.bind(py),
+            )?;
+            t.set_item(
+                cls.fields.num_cache_creation_tokens.bind(py),
+                p.num_cache_creation_tokens.bind(py),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Feed the step's tokens to the request's detokenizer: the stop string it
+    /// matched, if any, and the request's output-token count after the step.
+    fn detokenize<'py>(
+        cls: &Classes,
+        f: &mut Fast,
+        new_ids: &Bound<'py, PyAny>,
+        stop_terminated: bool,
+        ids_buf: &mut Vec<u32>,
+    ) -> PyResult<(Option<Bound<'py, PyAny>>, usize)> {
+        let py = new_ids.py();
+        let n_new = new_ids.len()?;
+        Ok(match &mut f.detok {
+            Detok::Python(detok) => {
+                let detok = detok.bind(py);
+                let stop = detok
+                    .call_method1(cls.obj.detok_update.bind(py), (new_ids, stop_terminated))?;
+                if stop.is_truthy()? {
+                    let n_now: usize = detok
+                        .call_method0(cls.obj.detok_num_output_tokens.bind(py))?
+                        .extract()?;
+                    (Some(stop), n_now)
+                } else {
+                    (None, f.n_out + n_new)
+                }
+            }
+            Detok::Native(nd) => {
+                read_ids(new_ids, ids_buf)?;
+                let st = &mut nd.st;
+                let stop = guarded("update", || st.update(ids_buf, stop_terminated))?
+                    .map_err(detok_err)?;
+                let n_now = nd.st.num_output_tokens();
+                if let Some(l) = &nd.ids {
+                    let l = l.bind(py);
+                    for x in new_ids.try_iter()? {
+                        l.append(x?)?;
+                    }
+                    if l.len() > n_now {
+                        l.del_slice(n_now, l.len())?;
+                    }
+                }
+                (stop.map(|s| PyString::new(py, &s).into_any()), n_now)
+            }
+        })
     }
 
     /// Drop the parent of a finished or aborted child once it has no child left
@@ -688,4 +708,21 @@ impl OutputCore {
         }
         Ok(())
     }
+}
+
+/// Start a new weight-version span when the step's tokens come from another
+/// version than the last span's (vLLM's `weight_version_starts`).
+fn note_weight_version(f: &mut Fast, weight_version: &Bound<'_, PyAny>) -> PyResult<()> {
+    if weight_version.is_none() {
+        return Ok(());
+    }
+    let changed = match f.weight_starts.last() {
+        None => true,
+        Some((v, _)) => !v.bind(weight_version.py()).eq(weight_version)?,
+    };
+    if changed {
+        f.weight_starts
+            .push((weight_version.clone().unbind(), f.n_out));
+    }
+    Ok(())
 }
