@@ -512,8 +512,14 @@ impl OutputCore {
 
         // 2) Detokenize and check stop strings.
         let stop_terminated = fr == Some(self.cls.finish.stop);
-        let (stop, n_now) =
-            Self::detokenize(&self.cls, f, &new_ids, stop_terminated, &mut self.ids_buf)?;
+        let (stop, n_now) = Self::detokenize(
+            &self.cls,
+            f,
+            &new_ids,
+            n_new,
+            stop_terminated,
+            &mut self.ids_buf,
+        )?;
         if let Some(stop) = stop {
             fr = Some(self.cls.finish.stop);
             fr_obj = self.cls.finish_objs[self.cls.finish.stop as usize]
@@ -599,11 +605,11 @@ impl OutputCore {
         cls: &Classes,
         f: &mut Fast,
         new_ids: &Bound<'py, PyAny>,
+        n_new: usize,
         stop_terminated: bool,
         ids_buf: &mut Vec<u32>,
     ) -> PyResult<(Option<Bound<'py, PyAny>>, usize)> {
         let py = new_ids.py();
-        let n_new = new_ids.len()?;
         Ok(match &mut f.detok {
             Detok::Python(detok) => {
                 let detok = detok.bind(py);
