@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use vllm_mmretry::detok::{DetokParams, DetokState, Vocab};
+use vllm_mmretry::detok::{DetokParams, DetokState, StepBuffers, Vocab};
 use vllm_mmretry::table::{flood_ids, FxBuild, IdBuild, Table};
 
 const BATCH: usize = 1024;
@@ -40,6 +40,7 @@ struct Batch {
     prompt: Vec<u32>,
     gen: Vec<u32>,
     reqs: Vec<(DetokState, usize)>,
+    bufs: StepBuffers,
 }
 
 impl Batch {
@@ -68,6 +69,7 @@ impl Batch {
             prompt,
             gen,
             reqs,
+            bufs: StepBuffers::default(),
         }
     }
 
@@ -79,7 +81,9 @@ impl Batch {
                 *st = DetokState::new(self.vocab.clone(), &self.prompt, self.params.clone());
                 *pos = 0;
             }
-            let stop = st.update(&self.gen[*pos..*pos + 1], false).expect("update");
+            let stop = st
+                .update(&mut self.bufs, &self.gen[*pos..*pos + 1], false)
+                .expect("update");
             *pos += 1;
             n += st.output_text_ref(stop.is_some(), true).len();
             if stop.is_some() {
@@ -173,13 +177,16 @@ fn loop_step(c: &mut Criterion) {
                 )
                 .unwrap();
         }
+        let mut bufs = StepBuffers::default();
         g.bench_function(label, |bench| {
             bench.iter(|| {
                 let mut n = 0;
                 for id in &ids {
                     let slot = table.slot_of(id).expect("tracked");
                     let (st, pos) = table.get_mut(slot).unwrap();
-                    let stop = st.update(&gen[*pos..*pos + 1], false).expect("update");
+                    let stop = st
+                        .update(&mut bufs, &gen[*pos..*pos + 1], false)
+                        .expect("update");
                     *pos += 1;
                     n += st.output_text_ref(stop.is_some(), true).len();
                     if stop.is_some() || *pos == gen.len() {

@@ -491,9 +491,22 @@ struct Stream {
     ids: Vec<u32>,
     prefix: String,
     prefix_index: usize,
-    /// Decode of `ids` (the candidate string) and a spare buffer.
-    string: String,
+}
+
+/// The buffers one detokenizer step fills and leaves nothing in that a later step
+/// reads. One set serves every request of an output processor: kept per request, they
+/// would be that much more cold memory to touch for each request of a big batch.
+#[derive(Default)]
+pub struct StepBuffers {
+    scratch: Scratch,
+    /// The decode of the stream's ids (the candidate string).
+    candidate: String,
+    /// A prefix decode that replaces the stream's empty prefix unless it ends in U+FFFD.
     spare: String,
+    /// The text one token adds.
+    piece: String,
+    /// The text's length in code points after each token of the step (stop strings).
+    offsets: Vec<usize>,
 }
 
 impl Stream {
@@ -504,36 +517,37 @@ impl Stream {
         }
     }
 
-    /// One `DecodeStream.step(tokenizer, id)`; on Some, the new text is appended to `out`.
+    /// One `DecodeStream.step(tokenizer, id)`; on Some, the new text is appended to
+    /// `b.piece`.
     fn step(
         &mut self,
         vocab: &Vocab,
         id: u32,
         skip: bool,
-        scratch: &mut Scratch,
-        out: &mut String,
+        b: &mut StepBuffers,
     ) -> Result<bool, DetokError> {
         if self.prefix.is_empty() && !self.ids.is_empty() {
-            vocab.decode_into(&self.ids, skip, &mut self.spare, scratch)?;
-            if !self.spare.ends_with(REPLACEMENT) {
-                std::mem::swap(&mut self.prefix, &mut self.spare);
+            vocab.decode_into(&self.ids, skip, &mut b.spare, &mut b.scratch)?;
+            if !b.spare.ends_with(REPLACEMENT) {
+                std::mem::swap(&mut self.prefix, &mut b.spare);
                 self.prefix_index = self.ids.len();
             }
         }
         self.ids.push(id);
-        vocab.decode_into(&self.ids, skip, &mut self.string, scratch)?;
-        if self.string.len() > self.prefix.len() && !self.string.ends_with(REPLACEMENT) {
-            if !self.string.starts_with(self.prefix.as_str()) {
+        vocab.decode_into(&self.ids, skip, &mut b.candidate, &mut b.scratch)?;
+        let string = &b.candidate;
+        if string.len() > self.prefix.len() && !string.ends_with(REPLACEMENT) {
+            if !string.starts_with(self.prefix.as_str()) {
                 return Err(DetokError::Decode(format!(
                     "{INVALID_PREFIX_ERR_MSG} while decoding stream. Token ID: {id}, \
                      Expected prefix: '{}', Actual string: '{}'",
-                    self.prefix, self.string
+                    self.prefix, string
                 )));
             }
-            out.push_str(&self.string[self.prefix.len()..]);
+            b.piece.push_str(&string[self.prefix.len()..]);
             let new_prefix_index = self.ids.len() - self.prefix_index;
             self.ids.drain(..self.prefix_index);
-            vocab.decode_into(&self.ids, skip, &mut self.prefix, scratch)?;
+            vocab.decode_into(&self.ids, skip, &mut self.prefix, &mut b.scratch)?;
             self.prefix_index = new_prefix_index;
             Ok(true)
         } else {
@@ -575,9 +589,6 @@ pub struct DetokState {
     last_output_chars: usize,
     /// Byte offset of `last_output_chars`, or usize::MAX if it must be recomputed.
     last_output_byte: usize,
-    piece: String,
-    offsets: Vec<usize>,
-    scratch: Scratch,
 }
 
 impl DetokState {
@@ -613,9 +624,6 @@ impl DetokState {
             output_chars: 0,
             last_output_chars: 0,
             last_output_byte: 0,
-            piece: String::new(),
-            offsets: Vec::new(),
-            scratch: Scratch::default(),
         }
     }
 
@@ -637,31 +645,29 @@ impl DetokState {
         self.last_output_chars
     }
 
-    /// `_protected_step` + the spaces_between_special_tokens rule; appends to `piece`.
-    fn decode_next(&mut self, id: u32) -> Result<(), DetokError> {
-        self.piece.clear();
+    /// `_protected_step` + the spaces_between_special_tokens rule: the token's text in
+    /// `b.piece`.
+    fn decode_next(&mut self, id: u32, b: &mut StepBuffers) -> Result<(), DetokError> {
+        b.piece.clear();
         let vocab = &*self.vocab;
         let skip = self.skip_special_tokens;
-        let r = self
-            .stream
-            .step(vocab, id, skip, &mut self.scratch, &mut self.piece);
+        let r = self.stream.step(vocab, id, skip, b);
         if let Err(DetokError::Decode(m)) = &r {
             if !m.starts_with(INVALID_PREFIX_ERR_MSG) {
                 return Err(DetokError::Decode(m.clone()));
             }
             // vLLM resets the stream without the prompt and steps again.
             self.stream = Stream::default();
-            self.piece.clear();
-            self.stream
-                .step(vocab, id, skip, &mut self.scratch, &mut self.piece)?;
+            b.piece.clear();
+            self.stream.step(vocab, id, skip, b)?;
         } else {
             r?;
         }
         if !self.spaces_between_special_tokens {
             let special = vocab.added.get(&id);
             if let (Some(content), true) = (special, self.last_special) {
-                self.piece.clear();
-                self.piece.push_str(content);
+                b.piece.clear();
+                b.piece.push_str(content);
             }
             self.last_special = special.is_some();
         }
@@ -673,6 +679,7 @@ impl DetokState {
     /// the matched stop string.
     pub fn update(
         &mut self,
+        b: &mut StepBuffers,
         new_ids: &[u32],
         stop_terminated: bool,
     ) -> Result<Option<String>, DetokError> {
@@ -686,29 +693,29 @@ impl DetokState {
         };
         let check_stop = !self.stop.is_empty();
         let num_prev = self.token_ids.len();
-        self.offsets.clear();
+        b.offsets.clear();
         if check_stop {
-            self.offsets.push(self.output_chars);
+            b.offsets.push(self.output_chars);
         }
         for &id in to_decode {
             self.token_ids.push(id);
-            self.decode_next(id)?;
-            self.output_text.push_str(&self.piece);
-            self.output_chars += self.piece.chars().count();
+            self.decode_next(id, b)?;
+            self.output_text.push_str(&b.piece);
+            self.output_chars += b.piece.chars().count();
             if check_stop {
-                self.offsets.push(self.output_chars);
+                b.offsets.push(self.output_chars);
             }
         }
         if let Some(id) = skipped {
             self.token_ids.push(id);
             if check_stop {
-                self.offsets.push(self.output_chars);
+                b.offsets.push(self.output_chars);
             }
         }
         if !check_stop || self.token_ids.len() <= self.min_tokens {
             return Ok(None);
         }
-        let stop_check_offset = self.offsets[self.min_tokens.saturating_sub(num_prev)];
+        let stop_check_offset = b.offsets[self.min_tokens.saturating_sub(num_prev)];
         let Some((which, truncate_to)) = check_stop_strings(
             &self.output_text,
             self.output_chars,
@@ -724,7 +731,7 @@ impl DetokState {
             stop_end += self.stop_chars[which];
         }
         // bisect_left(offsets, stop_end, lo=1)
-        let num_kept = 1 + self.offsets[1..].partition_point(|&o| o < stop_end);
+        let num_kept = 1 + b.offsets[1..].partition_point(|&o| o < stop_end);
         self.token_ids.truncate(num_prev + num_kept);
         if let Some(t) = truncate_to {
             let b = char_to_byte(&self.output_text, self.output_chars, t);

@@ -75,7 +75,7 @@ impl OutputCore {
                 vocab: None,
                 native_requests: 0,
                 python_detok: BTreeMap::new(),
-                ids_buf: Vec::new(),
+                scratch: DetokScratch::default(),
                 test_panic_on: test_panic_ids(),
                 failed_steps: 0,
                 step_sibling_aborts: Vec::new(),

@@ -32,7 +32,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 
 use crate::detok::py::PyVocab;
-use crate::detok::{supports, DetokError, DetokParams, DetokState, Vocab};
+use crate::detok::{supports, DetokError, DetokParams, DetokState, StepBuffers, Vocab};
 use crate::eco::{Eco, EcoFieldNames, EcoReader, F};
 use crate::table::{FxMap, MissSet, Table};
 
@@ -267,6 +267,14 @@ name_table!(
     }
 );
 
+/// What the native detokenizer's steps reuse from one request to the next: the
+/// step's token ids read from Python and the detokenizer's own buffers.
+#[derive(Default)]
+struct DetokScratch {
+    ids: Vec<u32>,
+    detok: StepBuffers,
+}
+
 /// The `FinishReason` codes the loop acts on, from the adapter.
 #[derive(Clone, Copy)]
 struct FinishCodes {
@@ -408,7 +416,8 @@ pub struct OutputCore {
     native_requests: u64,
     /// Fast requests detokenized in Python, by reason.
     python_detok: BTreeMap<String, u64>,
-    ids_buf: Vec<u32>,
+    /// Buffers the fast path's detokenizer steps reuse.
+    scratch: DetokScratch,
     /// Requests whose step panics on purpose (tests: `TEST_PANIC_ENV`).
     test_panic_on: Vec<String>,
     /// Requests failed by a caught panic in their step.

@@ -518,7 +518,7 @@ impl OutputCore {
             &new_ids,
             n_new,
             stop_terminated,
-            &mut self.ids_buf,
+            &mut self.scratch,
         )?;
         if let Some(stop) = stop {
             fr = Some(self.cls.finish.stop);
@@ -607,7 +607,7 @@ impl OutputCore {
         new_ids: &Bound<'py, PyAny>,
         n_new: usize,
         stop_terminated: bool,
-        ids_buf: &mut Vec<u32>,
+        scratch: &mut DetokScratch,
     ) -> PyResult<(Option<Bound<'py, PyAny>>, usize)> {
         let py = new_ids.py();
         Ok(match &mut f.detok {
@@ -625,10 +625,12 @@ impl OutputCore {
                 }
             }
             Detok::Native(nd) => {
-                read_ids(new_ids, ids_buf)?;
+                read_ids(new_ids, &mut scratch.ids)?;
                 let st = &mut nd.st;
-                let stop = guarded("update", || st.update(ids_buf, stop_terminated))?
-                    .map_err(detok_err)?;
+                let stop = guarded("update", || {
+                    st.update(&mut scratch.detok, &scratch.ids, stop_terminated)
+                })?
+                .map_err(detok_err)?;
                 let n_now = nd.st.num_output_tokens();
                 if let Some(l) = &nd.ids {
                     let l = l.bind(py);

@@ -12,7 +12,7 @@ use pyo3::exceptions::{PyOverflowError, PyRuntimeError, PyTypeError, PyValueErro
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use super::{supports, DetokError, DetokParams, DetokState, Vocab};
+use super::{supports, DetokError, DetokParams, DetokState, StepBuffers, Vocab};
 
 fn to_py(e: DetokError) -> PyErr {
     match e {
@@ -155,6 +155,7 @@ impl PyVocab {
 #[pyclass(name = "NativeDetokenizer", module = "vllm_mmretry._core")]
 pub struct PyDetok {
     inner: DetokState,
+    bufs: StepBuffers,
     /// Set when a panic cut a call short: the state may be half-updated.
     broken: bool,
 }
@@ -164,15 +165,15 @@ impl PyDetok {
     fn run<T>(
         &mut self,
         what: &str,
-        f: impl FnOnce(&mut DetokState) -> PyResult<T>,
+        f: impl FnOnce(&mut DetokState, &mut StepBuffers) -> PyResult<T>,
     ) -> PyResult<T> {
         if self.broken {
             return Err(PyRuntimeError::new_err(format!(
                 "NativeDetokenizer.{what}: unusable after an earlier internal error"
             )));
         }
-        let inner = &mut self.inner;
-        let result = catch_unwind(AssertUnwindSafe(|| f(inner)));
+        let (inner, bufs) = (&mut self.inner, &mut self.bufs);
+        let result = catch_unwind(AssertUnwindSafe(|| f(inner, bufs)));
         result.unwrap_or_else(|p| {
             self.broken = true;
             Err(PyRuntimeError::new_err(format!(
@@ -215,6 +216,7 @@ impl PyDetok {
         })?;
         Ok(PyDetok {
             inner,
+            bufs: StepBuffers::default(),
             broken: false,
         })
     }
@@ -226,29 +228,31 @@ impl PyDetok {
         stop_terminated: bool,
     ) -> PyResult<Option<String>> {
         let ids = token_ids(new_token_ids, "new_token_ids")?;
-        self.run("update", |st| {
-            st.update(&ids, stop_terminated).map_err(to_py)
+        self.run("update", |st, bufs| {
+            st.update(bufs, &ids, stop_terminated).map_err(to_py)
         })
     }
 
     fn get_next_output_text(&mut self, finished: bool, delta: bool) -> PyResult<String> {
-        self.run("get_next_output_text", |st| {
+        self.run("get_next_output_text", |st, _| {
             Ok(st.output_text(finished, delta))
         })
     }
 
     fn num_output_tokens(&mut self) -> PyResult<usize> {
-        self.run("num_output_tokens", |st| Ok(st.num_output_tokens()))
+        self.run("num_output_tokens", |st, _| Ok(st.num_output_tokens()))
     }
 
     #[getter]
     fn output_token_ids(&mut self) -> PyResult<Vec<u32>> {
-        self.run("output_token_ids", |st| Ok(st.output_token_ids().to_vec()))
+        self.run("output_token_ids", |st, _| {
+            Ok(st.output_token_ids().to_vec())
+        })
     }
 
     #[getter]
     fn output_text(&mut self) -> PyResult<String> {
-        self.run("output_text", |st| Ok(st.text().to_owned()))
+        self.run("output_text", |st, _| Ok(st.text().to_owned()))
     }
 }
 

@@ -94,10 +94,11 @@ fn params(skip: bool) -> DetokParams {
 
 /// Runs steps, returning each step's (delta text, stop string).
 fn run(st: &mut DetokState, steps: &[Vec<u32>]) -> Vec<(String, Option<String>)> {
+    let mut bufs = StepBuffers::default();
     steps
         .iter()
         .map(|s| {
-            let stop = st.update(s, false).expect("update");
+            let stop = st.update(&mut bufs, s, false).expect("update");
             (st.output_text(stop.is_some(), true), stop)
         })
         .collect()
@@ -160,7 +161,9 @@ fn stop_string_in_the_middle_of_a_multi_token_step() {
         id(&v, "!"),
         id(&v, "▁the"),
     ];
-    let stop = st.update(&step, false).unwrap();
+    let stop = st
+        .update(&mut StepBuffers::default(), &step, false)
+        .unwrap();
     assert_eq!(stop.as_deref(), Some("wor"));
     // Tokens after the one completing "wor" are dropped; text ends before the stop.
     assert_eq!(st.output_token_ids(), &step[..2]);
@@ -171,7 +174,9 @@ fn stop_string_in_the_middle_of_a_multi_token_step() {
         ..p
     };
     let mut st = DetokState::new(v.clone(), &[1], p);
-    let stop = st.update(&step, false).unwrap();
+    let stop = st
+        .update(&mut StepBuffers::default(), &step, false)
+        .unwrap();
     assert_eq!(stop.as_deref(), Some("wor"));
     assert_eq!(st.output_token_ids(), &step[..2]);
     assert_eq!(st.output_text(true, false), "Hello wor");
@@ -185,11 +190,19 @@ fn earliest_completing_stop_wins_and_buffer_holds_back_text() {
         ..params(true)
     };
     let mut st = DetokState::new(v.clone(), &[1], p);
-    assert_eq!(st.update(&[id(&v, "▁Hello")], false).unwrap(), None);
+    assert_eq!(
+        st.update(&mut StepBuffers::default(), &[id(&v, "▁Hello")], false)
+            .unwrap(),
+        None
+    );
     // buffer = max(len) - 1 = 4 chars held back from "Hello"
     assert_eq!(st.output_text(false, true), "H");
     let stop = st
-        .update(&[id(&v, "▁world"), id(&v, "▁the")], false)
+        .update(
+            &mut StepBuffers::default(),
+            &[id(&v, "▁world"), id(&v, "▁the")],
+            false,
+        )
         .unwrap();
     assert_eq!(stop.as_deref(), Some("world"));
     assert_eq!(st.output_text(true, true), "ello ");
@@ -204,11 +217,19 @@ fn min_tokens_defers_stop_checks() {
         ..params(true)
     };
     let mut st = DetokState::new(v.clone(), &[1], p);
-    assert_eq!(st.update(&[id(&v, "▁Hello")], false).unwrap(), None);
+    assert_eq!(
+        st.update(&mut StepBuffers::default(), &[id(&v, "▁Hello")], false)
+            .unwrap(),
+        None
+    );
     // The check resumes on text after token #2, so the earlier "Hello" no longer counts.
     assert_eq!(
-        st.update(&[id(&v, "▁world"), id(&v, "▁Hello")], false)
-            .unwrap(),
+        st.update(
+            &mut StepBuffers::default(),
+            &[id(&v, "▁world"), id(&v, "▁Hello")],
+            false
+        )
+        .unwrap(),
         Some("Hello".into())
     );
     assert_eq!(st.output_text(true, false), "Hello world ");
@@ -218,7 +239,11 @@ fn min_tokens_defers_stop_checks() {
 fn stop_terminated_token_is_counted_but_not_detokenized() {
     let v = spm_vocab();
     let mut st = DetokState::new(v.clone(), &[1], params(false));
-    assert_eq!(st.update(&[id(&v, "▁Hello"), 2], true).unwrap(), None);
+    assert_eq!(
+        st.update(&mut StepBuffers::default(), &[id(&v, "▁Hello"), 2], true)
+            .unwrap(),
+        None
+    );
     assert_eq!(st.output_token_ids(), &[id(&v, "▁Hello"), 2]);
     // skip_special_tokens=false: the prompt decodes to "<s>", so the space stays.
     assert_eq!(st.output_text(true, false), " Hello");
@@ -227,7 +252,8 @@ fn stop_terminated_token_is_counted_but_not_detokenized() {
         ..params(false)
     };
     let mut st = DetokState::new(v.clone(), &[1], p);
-    st.update(&[id(&v, "▁Hello"), 2], true).unwrap();
+    st.update(&mut StepBuffers::default(), &[id(&v, "▁Hello"), 2], true)
+        .unwrap();
     assert_eq!(st.output_text(true, false), " Hello</s>");
 }
 
@@ -241,13 +267,21 @@ fn no_spaces_between_consecutive_added_tokens() {
         ..params(false)
     };
     let mut st = DetokState::new(v.clone(), &[1], p.clone());
-    st.update(&[img, tool, id(&v, "▁Hello"), img], false)
-        .unwrap();
+    st.update(
+        &mut StepBuffers::default(),
+        &[img, tool, id(&v, "▁Hello"), img],
+        false,
+    )
+    .unwrap();
     // The second of two consecutive added tokens is emitted as its raw content.
     let with = {
         let mut s = DetokState::new(v.clone(), &[1], params(false));
-        s.update(&[img, tool, id(&v, "▁Hello"), img], false)
-            .unwrap();
+        s.update(
+            &mut StepBuffers::default(),
+            &[img, tool, id(&v, "▁Hello"), img],
+            false,
+        )
+        .unwrap();
         s.text().to_owned()
     };
     assert_eq!(st.text(), "<image><tool> Hello<image>");
@@ -256,11 +290,16 @@ fn no_spaces_between_consecutive_added_tokens() {
     // Visible when an added token's decoding differs from its content (▁ -> space).
     let xy = id(&v, "<x▁y>");
     let mut st = DetokState::new(v.clone(), &[1], p.clone());
-    st.update(&[xy, img, xy, id(&v, "▁Hello"), xy], false)
-        .unwrap();
+    st.update(
+        &mut StepBuffers::default(),
+        &[xy, img, xy, id(&v, "▁Hello"), xy],
+        false,
+    )
+    .unwrap();
     assert_eq!(st.text(), "<x y><image><x▁y> Hello<x y>");
     let mut st = DetokState::new(v.clone(), &[1], params(false));
-    st.update(&[xy, img, xy], false).unwrap();
+    st.update(&mut StepBuffers::default(), &[xy, img, xy], false)
+        .unwrap();
     assert_eq!(st.text(), "<x y><image><x y>");
 }
 
@@ -286,47 +325,69 @@ fn stop_strings_count_code_points() {
     assert_eq!(char_to_byte(text, n, 3), "aé🦀".len());
 }
 
-/// Our state vs the crate's `step_decode_stream` primed like `DecodeStream(ids=prompt)`.
+/// The crate's `step_decode_stream` for one request, primed like
+/// `DecodeStream(ids=prompt)`, reset without the prompt on a prefix error as vLLM does.
+struct Reference {
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
+impl Reference {
+    fn step(&mut self, v: &Vocab, t: u32, skip: bool) -> String {
+        let step = |r: &mut Self| {
+            step_decode_stream(
+                v.tokenizer(),
+                vec![t],
+                skip,
+                &mut r.ids,
+                &mut r.prefix,
+                &mut r.prefix_index,
+            )
+        };
+        match step(self) {
+            Ok(s) => s.unwrap_or_default(),
+            Err(e) if e.to_string().starts_with(INVALID_PREFIX_ERR_MSG) => {
+                (self.ids, self.prefix, self.prefix_index) = (vec![], String::new(), 0);
+                step(self).unwrap().unwrap_or_default()
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Our states vs the reference, all requests stepped in turn with one set of step
+/// buffers, as the output processor steps them.
 fn differential(v: &Arc<Vocab>, seqs: &[(Vec<u32>, Vec<u32>)]) {
     for skip in [false, true] {
-        for (prompt, gen) in seqs {
-            let mut st = DetokState::new(v.clone(), prompt, params(skip));
-            let (mut ids, mut prefix, mut pi) = (prompt.clone(), String::new(), 0usize);
-            let mut text = String::new();
-            for &t in gen {
-                let r = step_decode_stream(
-                    v.tokenizer(),
-                    vec![t],
-                    skip,
-                    &mut ids,
-                    &mut prefix,
-                    &mut pi,
-                );
-                let expected = match r {
-                    Ok(s) => s.unwrap_or_default(),
-                    Err(e) if e.to_string().starts_with(INVALID_PREFIX_ERR_MSG) => {
-                        (ids, prefix, pi) = (vec![], String::new(), 0);
-                        step_decode_stream(
-                            v.tokenizer(),
-                            vec![t],
-                            skip,
-                            &mut ids,
-                            &mut prefix,
-                            &mut pi,
-                        )
-                        .unwrap()
-                        .unwrap_or_default()
-                    }
-                    Err(e) => panic!("{e}"),
+        let mut bufs = StepBuffers::default();
+        let mut reqs: Vec<_> = seqs
+            .iter()
+            .map(|(prompt, _)| {
+                let st = DetokState::new(v.clone(), prompt, params(skip));
+                let r = Reference {
+                    ids: prompt.clone(),
+                    prefix: String::new(),
+                    prefix_index: 0,
                 };
+                (st, r, String::new())
+            })
+            .collect();
+        let longest = seqs.iter().map(|(_, gen)| gen.len()).max().unwrap_or(0);
+        for k in 0..longest {
+            for ((st, r, text), (prompt, gen)) in reqs.iter_mut().zip(seqs) {
+                let Some(&t) = gen.get(k) else { continue };
+                let expected = r.step(v, t, skip);
                 text.push_str(&expected);
-                st.update(&[t], false).unwrap();
+                st.update(&mut bufs, &[t], false).unwrap();
                 assert_eq!(
                     st.output_text(false, true),
                     expected,
                     "prompt {prompt:?} gen {gen:?}"
                 );
             }
+        }
+        for (st, _, text) in &reqs {
             assert_eq!(st.text(), text);
         }
     }
