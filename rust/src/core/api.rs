@@ -585,7 +585,7 @@ impl OutputCore {
                         match self.native_detok(py, vocab.clone(), n, kind, stream_interval)? {
                             Ok(nd) => {
                                 self.native_requests += 1;
-                                Detok::Native(Box::new(nd))
+                                Detok::Native(nd)
                             }
                             Err(reason) => {
                                 *self.python_detok.entry(reason.to_owned()).or_default() += 1;
@@ -603,7 +603,7 @@ impl OutputCore {
                         Detok::Python(d.detokenizer.unbind())
                     }
                 };
-                Mode::Fast(Box::new(Fast {
+                Mode::Fast(Fast {
                     detok,
                     kind,
                     stream_interval,
@@ -613,7 +613,7 @@ impl OutputCore {
                     co_template: d.co_template.unbind(),
                     spec_decode_metrics: None,
                     weight_starts: Vec::new(),
-                }))
+                })
             }
         })
     }
