@@ -189,8 +189,9 @@ def _norm_field(key: str, v: Any) -> Any:
 
 def _norm_vars(o: Any) -> Any:
     """Every instance attribute (`vars()`), so a field added by vLLM or by
-    another plugin is compared too."""
-    return (type(o).__name__, tuple((k, _norm_field(k, v)) for k, v in sorted(vars(o).items())))
+    another plugin is compared too, and in vLLM's order (what `vars()`, `repr`
+    of a dict copy and serialisers that walk `__dict__` see)."""
+    return (type(o).__name__, tuple((k, _norm_field(k, v)) for k, v in vars(o).items()))
 
 
 def norm(o: Any) -> Any:

@@ -193,6 +193,11 @@ class FastSpec:
     # them for this request; the core copies and fills them per output.
     ro_template: dict[str, Any]
     co_template: dict[str, Any]
+    # The templates' request-independent part, the same dicts for every request
+    # (None: not shared). The core copies these, with the request's own values
+    # set over them, so big batches copy one dict that stays in cache.
+    ro_shared: dict[str, Any] | None = None
+    co_shared: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,8 @@ class SelfCheck:
     # `vars()` of reference outputs built by vLLM's constructors (templates' base).
     ro_base: dict[str, Any] = field(default_factory=dict)
     co_base: dict[str, Any] = field(default_factory=dict)
+    # The templates' request-independent part, built by the adapter on first use.
+    shared: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def failures(self) -> dict[str, str]:
         return {part: why for part, why in (("outputs", self.outputs),

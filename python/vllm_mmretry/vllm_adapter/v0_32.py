@@ -367,6 +367,22 @@ _VOCABS: dict[tuple[int, int], tuple[Any, Any]] = {}
 _VOCAB_CHECKS: dict[int, str | None] = {}
 
 
+def shared_templates(check: SelfCheck) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The part of every request's output templates that no request changes,
+    built once per self-check: the reference outputs' fields, with the fields
+    `fast_spec` fills set in the order it sets them (so a request's template,
+    this with its own values updated, keeps the field order it always had)."""
+    if check.shared is None:
+        ro = dict(check.ro_base)
+        ro.update(request_id=None, prompt=None, prompt_token_ids=None, metrics=None,
+                  lora_request=None, outputs=None, finished=False,
+                  num_cached_tokens=0, num_cache_creation_tokens=0)
+        co = dict(check.co_base)
+        co.update(index=0, text="", token_ids=None)
+        check.shared = (ro, co)
+    return check.shared
+
+
 def native_vocab(tokenizer: Any) -> tuple[Any, str | None]:
     """(`_core.NativeVocab`, None) for a tokenizer vLLM detokenizes with its
     fast path and whose definition the Rust `tokenizers` crate loads, else
@@ -883,20 +899,20 @@ class Adapter(VllmAdapter):
                 )
             else:
                 detok_reason = "no_detokenize" if type(detok) is IncrementalDetokenizer else "detokenizer_class"
-        ro = dict(check.ro_base)
+        ro_shared, co_shared = shared_templates(check)
+        ro = dict(ro_shared)
         ro.update(
             request_id=parent.external_req_id if parent is not None else state.external_req_id,
             prompt=state.prompt, prompt_token_ids=state.prompt_token_ids, metrics=state.stats,
-            lora_request=state.lora_request, outputs=None, finished=False,
-            num_cached_tokens=0, num_cache_creation_tokens=0,
+            lora_request=state.lora_request,
         )
-        co = dict(check.co_base)
-        co.update(index=state.request_index, text="", token_ids=None)
+        co = dict(co_shared)
+        co["index"] = state.request_index
         return FastSpec(
             detokenizer=detok, native=native, detok_reason=detok_reason,
             output_kind=OUTPUT_KIND_CODE[state.output_kind],
             stream_interval=state.stream_interval, num_output_tokens=detok.num_output_tokens(),
-            ro_template=ro, co_template=co,
+            ro_template=ro, co_template=co, ro_shared=ro_shared, co_shared=co_shared,
         )
 
     def native_vocab(self, tokenizer: Any) -> tuple[Any, str | None]:

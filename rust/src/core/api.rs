@@ -486,12 +486,13 @@ impl OutputCore {
             let dict = |o: &Bound<'py, PyAny>| -> PyResult<Bound<'py, PyDict>> {
                 Ok(o.getattr(s!(py, "__dict__"))?.cast_into::<PyDict>()?)
             };
-            let (next, next_co) = (dict(next)?, dict(&next_co)?);
+            let next = Template::whole(dict(next)?);
+            let next_co = Template::whole(dict(&next_co)?);
             self.cls.merge.merge(
                 cur,
                 &cur_co,
-                &NextFields::new(&next),
-                &NextFields::new(&next_co),
+                &NextFields::new(py, &next),
+                &NextFields::new(py, &next_co),
             )
         })
     }
@@ -609,8 +610,8 @@ impl OutputCore {
                     stream_interval,
                     sent_offset: 0,
                     n_out: d.num_output_tokens,
-                    ro_template: d.ro_template.unbind(),
-                    co_template: d.co_template.unbind(),
+                    ro_template: Template::split(d.ro_template, d.ro_shared.as_ref()),
+                    co_template: Template::split(d.co_template, d.co_shared.as_ref()),
                     spec_decode_metrics: None,
                     weight_starts: Vec::new(),
                 })

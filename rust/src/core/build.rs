@@ -117,7 +117,7 @@ impl Classes {
                 f.sent_offset = f.n_out;
             }
         }
-        let mut co = NextFields::new(f.co_template.bind(py));
+        let mut co = NextFields::new(py, &f.co_template);
         co.set(&self.fields.text, text);
         co.set(&self.fields.token_ids, token_ids);
         if let Some(code) = fr {
@@ -190,7 +190,7 @@ impl Classes {
     ) -> NextFields<'a, 'py> {
         // The template holds finished=False, no transfer params and the current
         // cached-token counts (written when prefill ends).
-        let mut ro = NextFields::new(f.ro_template.bind(py));
+        let mut ro = NextFields::new(py, &f.ro_template);
         if finished {
             ro.set(
                 &self.fields.finished,

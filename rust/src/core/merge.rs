@@ -46,6 +46,13 @@ impl<T, const N: usize> SmallList<T, N> {
             .flatten()
             .chain(self.more.iter())
     }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.inline[..self.n_inline]
+            .iter_mut()
+            .flatten()
+            .chain(self.more.iter_mut())
+    }
 }
 
 /// How many step values a `NextFields` holds without allocating: a completion sets
@@ -53,20 +60,85 @@ impl<T, const N: usize> SmallList<T, N> {
 /// metrics, weight versions), a RequestOutput four.
 const INLINE_VALUES: usize = 6;
 
+/// How many values of its own a request's template keeps inline: a RequestOutput's
+/// are its id, prompt, prompt token ids, statistics, LoRA request and, after
+/// prefill, its two cached-token counts.
+const OWN_VALUES: usize = 7;
+
+/// A request's output dict before a step's values: `base` with the request's own
+/// values set over it. `base` is the processor's shared template whenever the
+/// request's differs from it only in values (the usual case), so at big batches
+/// every request copies the same dict, in cache, instead of its own cold one.
+pub(super) struct Template {
+    base: Py<PyDict>,
+    own: SmallList<(Py<PyString>, Py<PyAny>), OWN_VALUES>,
+}
+
+impl Template {
+    /// The request's whole template as its base (nothing shared).
+    pub(super) fn whole(full: Bound<'_, PyDict>) -> Self {
+        Self {
+            base: full.unbind(),
+            own: SmallList::new(),
+        }
+    }
+
+    /// `full` as `shared` plus the values that are not the same objects in both,
+    /// when both have the same keys in the same order (so the copy's order is
+    /// `full`'s); otherwise `full` itself.
+    pub(super) fn split(full: Bound<'_, PyDict>, shared: Option<&Bound<'_, PyDict>>) -> Self {
+        let Some(shared) = shared.filter(|s| s.len() == full.len()) else {
+            return Self::whole(full);
+        };
+        let py = full.py();
+        let mut own = SmallList::new();
+        for ((k, v), (sk, sv)) in full.iter().zip(shared.iter()) {
+            let same_key = k.is(&sk) || k.eq(&sk).unwrap_or(false);
+            let Ok(name) = sk.cast_into::<PyString>() else {
+                return Self::whole(full);
+            };
+            if !same_key {
+                return Self::whole(full);
+            }
+            if !v.is(&sv) {
+                let Ok(name) = name.to_str().map(|n| PyString::intern(py, n)) else {
+                    return Self::whole(full);
+                };
+                own.push((name.unbind(), v.unbind()));
+            }
+        }
+        Self {
+            base: shared.clone().unbind(),
+            own,
+        }
+    }
+
+    /// Set `name` (an interned field name) for every later output of the request.
+    pub(super) fn set(&mut self, py: Python<'_>, name: &Py<PyString>, value: Py<PyAny>) {
+        if let Some(slot) = self.own.iter_mut().find(|(n, _)| n.is(name)) {
+            slot.1 = value;
+            return;
+        }
+        self.own.push((name.clone_ref(py), value));
+    }
+}
+
 /// The fields of a next output (a RequestOutput or its completion) without building
 /// its dict: the step's values over the request's template. A merged step's output is
 /// never handed out, so copying the template for it would be wasted.
 pub(super) struct NextFields<'a, 'py> {
-    template: &'a Bound<'py, PyDict>,
+    base: Bound<'py, PyDict>,
+    own: &'a SmallList<(Py<PyString>, Py<PyAny>), OWN_VALUES>,
     /// The step's values, by interned field name (looked up by identity: every
     /// name in the core and in the merge rules is interned).
     set: SmallList<(&'a Py<PyString>, Bound<'py, PyAny>), INLINE_VALUES>,
 }
 
 impl<'a, 'py> NextFields<'a, 'py> {
-    pub(super) fn new(template: &'a Bound<'py, PyDict>) -> Self {
+    pub(super) fn new(py: Python<'py>, template: &'a Template) -> Self {
         Self {
-            template,
+            base: template.base.bind(py).clone(),
+            own: &template.own,
             set: SmallList::new(),
         }
     }
@@ -75,23 +147,29 @@ impl<'a, 'py> NextFields<'a, 'py> {
         self.set.push((name, value));
     }
 
-    /// The value for `name` (the last one set, else the template's; a missing field
-    /// reads as None).
+    /// The value for `name` (the last one set, else the request's own, else the
+    /// shared template's; a missing field reads as None).
     fn get(&self, name: &Py<PyString>) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.base.py();
         if let Some((_, v)) = self.set.iter().rev().find(|(n, _)| n.is(name)) {
             return Ok(v.clone());
         }
-        let py = self.template.py();
+        if let Some((_, v)) = self.own.iter().find(|(n, _)| n.is(name)) {
+            return Ok(v.bind(py).clone());
+        }
         Ok(self
-            .template
+            .base
             .get_item(name.bind(py))?
             .unwrap_or_else(|| py.None().into_bound(py)))
     }
 
     /// The output's dict: a copy of the template with the step's values.
     pub(super) fn into_dict(self) -> PyResult<Bound<'py, PyDict>> {
-        let py = self.template.py();
-        let d = self.template.copy()?;
+        let py = self.base.py();
+        let d = self.base.copy()?;
+        for (name, value) in self.own.iter() {
+            d.set_item(name.bind(py), value.bind(py))?;
+        }
         for (name, value) in self.set.iter() {
             d.set_item(name.bind(py), value)?;
         }

@@ -107,8 +107,8 @@ struct Fast {
     sent_offset: usize,
     /// Output tokens held by the detokenizer (kept here to avoid a Python call).
     n_out: usize,
-    ro_template: Py<PyDict>,
-    co_template: Py<PyDict>,
+    ro_template: Template,
+    co_template: Template,
     spec_decode_metrics: Option<Py<PyAny>>,
     weight_starts: Vec<(Py<PyAny>, usize)>,
 }
@@ -353,6 +353,10 @@ struct FastSpec<'py> {
     num_output_tokens: usize,
     ro_template: Bound<'py, PyDict>,
     co_template: Bound<'py, PyDict>,
+    /// The request-independent templates (the same dicts for every request of
+    /// the processor), or None: each request copies its own.
+    ro_shared: Option<Bound<'py, PyDict>>,
+    co_shared: Option<Bound<'py, PyDict>>,
 }
 
 /// `vllm_adapter.base.NativeDetokSpec`.
@@ -485,4 +489,4 @@ mod stats;
 mod step;
 
 use build::{Built, StepOut};
-use merge::{MergeFieldNames, MergeRules, NextFields};
+use merge::{MergeFieldNames, MergeRules, NextFields, Template};

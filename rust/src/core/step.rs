@@ -585,16 +585,18 @@ impl OutputCore {
             p.num_cached_tokens = r.clone_ref(py);
         }
         p.is_prefilling = false;
-        if let Mode::Fast(f) = &req.mode {
-            let t = f.ro_template.bind(py);
-            t.set_item(
-                cls.fields.num_cached_tokens.bind(py),
-                p.num_cached_tokens.bind(py),
-            )?;
-            t.set_item(
-                cls.fields.num_cache_creation_tokens.bind(py),
-                p.num_cache_creation_tokens.bind(py),
-            )?;
+        if let Mode::Fast(f) = &mut req.mode {
+            let t = &mut f.ro_template;
+            t.set(
+                py,
+                &cls.fields.num_cached_tokens,
+                p.num_cached_tokens.clone_ref(py),
+            );
+            t.set(
+                py,
+                &cls.fields.num_cache_creation_tokens,
+                p.num_cache_creation_tokens.clone_ref(py),
+            );
         }
         Ok(())
     }
