@@ -146,9 +146,15 @@ impl std::hash::Hash for IdKey {
 }
 
 struct Entry<T> {
+    /// The id again, beside the state: a guessed slot is checked against it.
+    id: IdKey,
+    /// The slot whose output followed this one's in the last step (`NO_SLOT`: none).
+    next: usize,
     external: String,
     value: T,
 }
+
+const NO_SLOT: usize = usize::MAX;
 
 /// Internal id -> state, in slots so the hot loop indexes a Vec; plus the
 /// external -> [internal...] map (insertion ordered, as vLLM keeps it).
@@ -157,6 +163,10 @@ pub struct Table<T> {
     slots: Vec<Option<Entry<T>>>,
     free: Vec<usize>,
     external: IdMap<String, Vec<String>>,
+    /// The slot of the last step's first output, and of the previous output
+    /// looked up in this step (`step_slot_of`).
+    first: usize,
+    cursor: usize,
 }
 
 impl<T> Default for Table<T> {
@@ -166,6 +176,8 @@ impl<T> Default for Table<T> {
             slots: Vec::new(),
             free: Vec::new(),
             external: IdMap::default(),
+            first: NO_SLOT,
+            cursor: NO_SLOT,
         }
     }
 }
@@ -183,6 +195,37 @@ impl<T> Table<T> {
     pub fn slot_of(&self, id: &str) -> Option<usize> {
         self.by_id.get(id).copied()
     }
+    /// A step's outputs start: `step_slot_of` guesses from the last step's order.
+    pub fn start_step(&mut self) {
+        self.cursor = NO_SLOT;
+    }
+
+    /// `slot_of` for the step's outputs in their order. The engine sends a step's
+    /// outputs in about the order of the last step's, so the slot that followed
+    /// the previous output's last time is tried first, checked against the id
+    /// kept in that slot: no hashing and no cold map bucket when it is right,
+    /// the map when it is not.
+    pub fn step_slot_of(&mut self, id: &str) -> Option<usize> {
+        let guess = match self.cursor {
+            NO_SLOT => self.first,
+            prev => self.slots[prev].as_ref().map_or(NO_SLOT, |e| e.next),
+        };
+        let found = match self.slots.get(guess) {
+            Some(Some(e)) if e.id.as_str() == id => guess,
+            _ => self.slot_of(id)?,
+        };
+        match self.cursor {
+            NO_SLOT => self.first = found,
+            prev => {
+                if let Some(e) = self.slots[prev].as_mut() {
+                    e.next = found;
+                }
+            }
+        }
+        self.cursor = found;
+        Some(found)
+    }
+
     pub fn get(&self, slot: usize) -> Option<&T> {
         self.slots.get(slot)?.as_ref().map(|e| &e.value)
     }
@@ -209,6 +252,8 @@ impl<T> Table<T> {
             return Err(TableError::Duplicate(id.to_owned()));
         }
         let entry = Entry {
+            id: IdKey::new(id),
+            next: NO_SLOT,
             external: external.to_owned(),
             value,
         };
@@ -356,6 +401,51 @@ mod tests {
             assert!(t.remove(id).is_some());
         }
         assert!(t.is_empty());
+    }
+
+    /// Steps of outputs in changing orders, with requests finishing, joining
+    /// (reusing freed slots) and unknown ids: the guessed lookup always answers
+    /// what the map answers.
+    #[test]
+    fn step_lookup_equals_map_lookup_whatever_the_order() {
+        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        let mut t: Table<usize> = Table::default();
+        let mut live: Vec<String> = Vec::new();
+        let mut born = 0;
+        for _step in 0..300 {
+            for _ in 0..next(4) {
+                let id = format!("cmpl-{born:032x}-0-{born:08x}");
+                t.insert(&id, "X", born).unwrap();
+                live.push(id);
+                born += 1;
+            }
+            // Mostly the last order; sometimes a swap, an unknown id, a finish.
+            if live.len() > 1 && next(3) == 0 {
+                let (a, b) = (next(live.len()), next(live.len()));
+                live.swap(a, b);
+            }
+            t.start_step();
+            let mut order: Vec<String> = live.clone();
+            if next(5) == 0 {
+                order.insert(next(order.len() + 1), "aborted-earlier".to_owned());
+            }
+            for id in &order {
+                assert_eq!(t.step_slot_of(id), t.slot_of(id), "{id}");
+            }
+            for _ in 0..next(3) {
+                if !live.is_empty() {
+                    let id = live.remove(next(live.len()));
+                    assert!(t.remove(&id).is_some());
+                }
+            }
+        }
+        assert!(born > 200);
     }
 
     #[test]

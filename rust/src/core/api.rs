@@ -253,6 +253,7 @@ impl OutputCore {
                 };
                 self.step_sibling_aborts.clear();
                 self.stock_batch.clear();
+                self.table.start_step();
                 let result = (|| {
                     for eco in ecos.iter() {
                         self.step_one_recovering(py, &eco, &cx)?;

@@ -291,7 +291,7 @@ impl OutputCore {
             .cast::<PyString>()
             .map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
         let rid_s = rid.to_str()?;
-        let Some(slot) = self.table.slot_of(rid_s) else {
+        let Some(slot) = self.table.step_slot_of(rid_s) else {
             // An output for an already-aborted request; a sibling this step aborted
             // that the engine has finished needs no abort.
             if !self.eco.get(&ev, F::FinishReason)?.is_none() {
