@@ -4,8 +4,9 @@
 //! Each request has a stock vLLM `RequestState` (built in Python at add time, so
 //! detokenizer, logprobs processor and stats objects are vLLM's own). Requests on
 //! the fast path are driven from Rust: fields of `EngineCoreOutput` are read by
-//! offset, output objects are built from pre-filled `__dict__` templates without
-//! running Python `__init__`, and outputs go straight into the collector. Requests
+//! offset, output objects are built from pre-filled `__dict__` templates (shared
+//! per processor, plus each request's own values) without running Python
+//! `__init__`, and outputs go straight into the collector. Requests
 //! needing features whose semantics live in vLLM's Python objects (logprobs,
 //! pooling, streaming input, routed experts, ...) are handed to an embedded stock
 //! `OutputProcessor` (`Mode::Stock`, counted by reason): vLLM's own code steps and
