@@ -12,6 +12,8 @@
 //! the result is the same either way; `Vocab::self_check` compares the two.
 
 use smallvec::SmallVec;
+
+use crate::inline::InlineStr;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -497,40 +499,7 @@ const INLINE_PREFIX: usize = 30;
 
 /// The stream's prefix text, inline when short (almost always after the first
 /// step), else on the heap.
-enum Prefix {
-    Inline(u8, [u8; INLINE_PREFIX]),
-    Heap(String),
-}
-
-impl Default for Prefix {
-    fn default() -> Self {
-        Prefix::Inline(0, [0; INLINE_PREFIX])
-    }
-}
-
-impl Prefix {
-    fn as_str(&self) -> &str {
-        match self {
-            // SAFETY: `set` copies exactly these bytes from a `&str` and nothing
-            // else writes them, so they are UTF-8.
-            Prefix::Inline(len, buf) => unsafe {
-                std::str::from_utf8_unchecked(&buf[..*len as usize])
-            },
-            Prefix::Heap(s) => s,
-        }
-    }
-
-    fn set(&mut self, text: &str) {
-        let b = text.as_bytes();
-        if b.len() <= INLINE_PREFIX {
-            let mut buf = [0u8; INLINE_PREFIX];
-            buf[..b.len()].copy_from_slice(b);
-            *self = Prefix::Inline(b.len() as u8, buf);
-        } else {
-            *self = Prefix::Heap(text.to_owned());
-        }
-    }
-}
+type Prefix = InlineStr<INLINE_PREFIX>;
 
 #[derive(Default)]
 struct Stream {
@@ -575,7 +544,7 @@ impl Stream {
         if self.prefix.as_str().is_empty() && !self.ids.is_empty() {
             vocab.decode_into(&self.ids, skip, &mut b.spare, &mut b.scratch)?;
             if !b.spare.ends_with(REPLACEMENT) {
-                self.prefix.set(&b.spare);
+                self.prefix = Prefix::new(&b.spare);
                 self.prefix_index = self.ids.len();
             }
         }
@@ -596,7 +565,7 @@ impl Stream {
             // Back inline once the prompt has left the window.
             self.ids.shrink_to_fit();
             vocab.decode_into(&self.ids, skip, &mut b.spare, &mut b.scratch)?;
-            self.prefix.set(&b.spare);
+            self.prefix = Prefix::new(&b.spare);
             self.prefix_index = new_prefix_index;
             Ok(true)
         } else {

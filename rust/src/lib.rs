@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 pub mod core;
 pub mod detok;
 pub mod eco;
+pub mod inline;
 pub mod prom;
 pub mod table;
 pub mod wire;

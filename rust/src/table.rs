@@ -6,6 +6,8 @@ use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::inline::InlineStr;
+
 /// Request ids are client-chosen (a body field or `X-Request-Id`), so every map
 /// keyed by them uses std's keyed SipHash-1-3 with per-process random keys: ids
 /// cannot be built to collide without knowing the keys (no hash flooding).
@@ -92,36 +94,15 @@ const INLINE_ID: usize = 62;
 /// cold cache line less per request-step at big batches. Hashes and compares
 /// as the `str` it holds, so the map is looked up by `&str`.
 #[derive(Clone)]
-pub struct IdKey(IdRepr);
-
-#[derive(Clone)]
-enum IdRepr {
-    Inline(u8, [u8; INLINE_ID]),
-    Heap(Box<str>),
-}
+pub struct IdKey(InlineStr<INLINE_ID>);
 
 impl IdKey {
     pub fn new(id: &str) -> Self {
-        let b = id.as_bytes();
-        if b.len() <= INLINE_ID {
-            let mut buf = [0u8; INLINE_ID];
-            buf[..b.len()].copy_from_slice(b);
-            Self(IdRepr::Inline(b.len() as u8, buf))
-        } else {
-            Self(IdRepr::Heap(id.into()))
-        }
+        Self(InlineStr::new(id))
     }
 
     pub fn as_str(&self) -> &str {
-        match &self.0 {
-            // SAFETY: `new` copied exactly these bytes from a `&str`, and they
-            // are never written again, so they are UTF-8. (Checking them on
-            // every lookup would cost what the inline bytes save.)
-            IdRepr::Inline(len, buf) => unsafe {
-                std::str::from_utf8_unchecked(&buf[..*len as usize])
-            },
-            IdRepr::Heap(s) => s,
-        }
+        self.0.as_str()
     }
 }
 
