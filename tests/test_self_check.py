@@ -266,3 +266,22 @@ def test_merge_rule_mismatch_steps_aside(
     assert c["self_check_failed"] == {"merge": 1}
     assert c["native_merges"] == 0 and c["fast_steps"] > 0
     assert len(_warned(caplog, "collector merges")) == 1
+
+
+def test_shared_templates_are_instance_dicts(tiny_tokenizer: Any) -> None:
+    """The templates every output copies hold the reference outputs' fields with the
+    fast path's shared values, in the constructor's order, and live in an instance
+    dict of vLLM's constructor (CPython shares its keys with the class's instances,
+    so a copy per output copies only the values: a smaller dict than a plain copy)."""
+    import sys
+
+    check = v0_32.Adapter().self_check(tiny_tokenizer, None)
+    ro, co = v0_32.shared_templates(check)
+    want_ro = {**check.ro_base, "request_id": None, "prompt": None, "prompt_token_ids": None,
+               "metrics": None, "lora_request": None, "outputs": None, "finished": False,
+               "num_cached_tokens": 0, "num_cache_creation_tokens": 0}
+    want_co = {**check.co_base, "index": 0, "text": "", "token_ids": None}
+    for got, want in ((ro, want_ro), (co, want_co)):
+        assert list(got.items()) == list(want.items())
+        assert sys.getsizeof(got.copy()) < sys.getsizeof(dict(got))
+    assert v0_32.shared_templates(check) == (ro, co)  # built once per self-check

@@ -379,7 +379,9 @@ def shared_templates(check: SelfCheck) -> tuple[dict[str, Any], dict[str, Any]]:
                   num_cached_tokens=0, num_cache_creation_tokens=0)
         co = dict(check.co_base)
         co.update(index=0, text="", token_ids=None)
-        check.shared = (ro, co)
+        check.shared = (
+            _in_instance_dict(RequestOutput, RO_PER_REQUEST + RO_FILLED, _RO_FIXED, ro),
+            _in_instance_dict(CompletionOutput, CO_PER_REQUEST + CO_FILLED, _CO_FIXED, co))
     return check.shared
 
 
@@ -444,6 +446,28 @@ def _construct(cls: type, params: tuple[str, ...], n: int,
     return dict(vars(cls(**marks, **fixed))), marks
 
 
+# The arguments the fast path never varies: no logprobs.
+_RO_FIXED: dict[str, Any] = {"prompt_logprobs": None}
+_CO_FIXED: dict[str, Any] = {"cumulative_logprob": None, "logprobs": None}
+
+
+def _in_instance_dict(cls: type, params: tuple[str, ...], fixed: dict[str, Any],
+                      fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` written into the `__dict__` of an instance vLLM's constructor built,
+    when that has the same keys in the same order; else `fields` itself.
+
+    CPython shares such a dict's keys with the class's instances, and copying it
+    (once per output) copies only the values, not the whole key table."""
+    try:
+        d: dict[str, Any] = vars(cls(**{p: _Mark(p, 0) for p in params}, **fixed))
+    except Exception:  # noqa: BLE001 - the self-check already built one; never here
+        return fields
+    if list(d) != list(fields):
+        return fields
+    d.update(fields)
+    return d
+
+
 def _same(x: Any, y: Any) -> bool:
     try:
         return x is y or bool(x == y)
@@ -476,8 +500,7 @@ def check_outputs() -> tuple[str | None, dict[str, Any], dict[str, Any]]:
 
     Arguments the native path fills get distinct values in each construction;
     the others get the values the fast path always has (no logprobs)."""
-    ro_fixed = {"prompt_logprobs": None}
-    co_fixed = {"cumulative_logprob": None, "logprobs": None}
+    ro_fixed, co_fixed = _RO_FIXED, _CO_FIXED
     try:
         ro_a, _ = _construct(RequestOutput, RO_PER_REQUEST + RO_FILLED, 1, ro_fixed)
         ro_b, ro_marks = _construct(RequestOutput, RO_PER_REQUEST + RO_FILLED, 2, ro_fixed)
