@@ -7,6 +7,7 @@ pub mod core;
 pub mod detok;
 pub mod eco;
 pub mod inline;
+pub mod prefetch;
 pub mod prom;
 pub mod table;
 pub mod wire;

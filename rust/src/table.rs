@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::inline::InlineStr;
+use crate::prefetch;
 
 /// Request ids are client-chosen (a body field or `X-Request-Id`), so every map
 /// keyed by them uses std's keyed SipHash-1-3 with per-process random keys: ids
@@ -129,19 +130,22 @@ impl std::hash::Hash for IdKey {
 struct Entry<T> {
     /// The id again, beside the state: a guessed slot is checked against it.
     id: IdKey,
-    /// The slot whose output followed this one's in the last step (`NO_SLOT`: none).
-    next: usize,
     external: String,
     value: T,
 }
 
-const NO_SLOT: usize = usize::MAX;
+/// No slot: before a step's first output, or no guess.
+pub const NO_SLOT: usize = usize::MAX;
 
 /// Internal id -> state, in slots so the hot loop indexes a Vec; plus the
 /// external -> [internal...] map (insertion ordered, as vLLM keeps it).
 pub struct Table<T> {
     by_id: IdMap<IdKey, usize>,
     slots: Vec<Option<Entry<T>>>,
+    /// By slot: the slot whose output followed this one's in the last step
+    /// (`NO_SLOT`: none). Apart from the entries so the loop can walk the order
+    /// ahead of its lookups without touching them.
+    links: Vec<usize>,
     free: Vec<usize>,
     external: IdMap<String, Vec<String>>,
     /// The slot of the last step's first output, and of the previous output
@@ -155,6 +159,7 @@ impl<T> Default for Table<T> {
         Self {
             by_id: IdMap::default(),
             slots: Vec::new(),
+            links: Vec::new(),
             free: Vec::new(),
             external: IdMap::default(),
             first: NO_SLOT,
@@ -189,7 +194,7 @@ impl<T> Table<T> {
     pub fn step_slot_of(&mut self, id: &str) -> Option<usize> {
         let guess = match self.cursor {
             NO_SLOT => self.first,
-            prev => self.slots[prev].as_ref().map_or(NO_SLOT, |e| e.next),
+            prev => self.guess_after(prev),
         };
         let found = match self.slots.get(guess) {
             Some(Some(e)) if e.id.as_str() == id => guess,
@@ -197,14 +202,30 @@ impl<T> Table<T> {
         };
         match self.cursor {
             NO_SLOT => self.first = found,
-            prev => {
-                if let Some(e) = self.slots[prev].as_mut() {
-                    e.next = found;
-                }
-            }
+            prev => self.links[prev] = found,
         }
         self.cursor = found;
         Some(found)
+    }
+
+    /// The slot guessed for a step's first output: the last step's first.
+    pub fn first_guess(&self) -> usize {
+        self.first
+    }
+
+    /// The slot guessed to come after `slot` in this step: what `step_slot_of`
+    /// tries first, and what the loop prefetches ahead of it. `NO_SLOT` when
+    /// there is no guess (also after `NO_SLOT`).
+    pub fn guess_after(&self, slot: usize) -> usize {
+        self.links.get(slot).copied().unwrap_or(NO_SLOT)
+    }
+
+    /// Prefetch the first `max_lines` cache lines of a slot's entry (nothing
+    /// for a slot out of range).
+    pub fn prefetch_slot(&self, slot: usize, max_lines: usize) {
+        if let Some(e) = self.slots.get(slot) {
+            prefetch::lines(e, std::mem::size_of_val(e), max_lines);
+        }
     }
 
     pub fn get(&self, slot: usize) -> Option<&T> {
@@ -234,17 +255,18 @@ impl<T> Table<T> {
         }
         let entry = Entry {
             id: IdKey::new(id),
-            next: NO_SLOT,
             external: external.to_owned(),
             value,
         };
         let slot = match self.free.pop() {
             Some(s) => {
                 self.slots[s] = Some(entry);
+                self.links[s] = NO_SLOT;
                 s
             }
             None => {
                 self.slots.push(Some(entry));
+                self.links.push(NO_SLOT);
                 self.slots.len() - 1
             }
         };
@@ -427,6 +449,33 @@ mod tests {
             }
         }
         assert!(born > 200);
+    }
+
+    /// Walking the guesses from the first gives the last step's order, which
+    /// is what the loop prefetches ahead of its lookups.
+    #[test]
+    fn guesses_walk_the_last_steps_order() {
+        let mut t: Table<usize> = Table::default();
+        assert_eq!(t.first_guess(), NO_SLOT);
+        for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+            t.insert(id, "X", i).unwrap();
+        }
+        let order = ["c", "a", "d", "b"];
+        t.start_step();
+        for id in order {
+            t.step_slot_of(id).unwrap();
+        }
+        let mut walked = Vec::new();
+        let mut s = t.first_guess();
+        while s != NO_SLOT && walked.len() < 10 {
+            walked.push(s);
+            t.prefetch_slot(s, 4);
+            s = t.guess_after(s);
+        }
+        let want: Vec<usize> = order.iter().map(|id| t.slot_of(id).unwrap()).collect();
+        assert_eq!(walked, want);
+        assert_eq!(t.guess_after(NO_SLOT), NO_SLOT);
+        t.prefetch_slot(NO_SLOT, 4);
     }
 
     #[test]
