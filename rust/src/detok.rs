@@ -653,6 +653,16 @@ impl DetokState {
         &self.token_ids
     }
 
+    /// Prefetch where the next step appends: the ends of the ids and the text.
+    pub fn prefetch_tails(&self) {
+        crate::prefetch::line(self.token_ids.as_ptr().wrapping_add(self.token_ids.len()));
+        crate::prefetch::line(
+            self.output_text
+                .as_ptr()
+                .wrapping_add(self.output_text.len()),
+        );
+    }
+
     /// The whole text so far (vLLM's `output_text` attribute).
     pub fn text(&self) -> &str {
         &self.output_text

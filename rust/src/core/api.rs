@@ -255,7 +255,9 @@ impl OutputCore {
                 self.stock_batch.clear();
                 self.table.start_step();
                 let result = (|| {
+                    let mut ahead = ahead::Ahead::start(&self.table);
                     for eco in ecos.iter() {
+                        ahead.advance(&self.table);
                         self.step_one_recovering(py, &eco, &cx)?;
                     }
                     self.flush_stock(py, &cx)

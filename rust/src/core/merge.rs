@@ -113,6 +113,13 @@ impl Template {
         }
     }
 
+    /// Prefetch the request's own values (each output's dict references them).
+    pub(super) fn prefetch_own(&self) {
+        for (_, v) in self.own.iter() {
+            super::ahead::object(v);
+        }
+    }
+
     /// Set `name` (an interned field name) for every later output of the request.
     pub(super) fn set(&mut self, py: Python<'_>, name: &Py<PyString>, value: Py<PyAny>) {
         if let Some(slot) = self.own.iter_mut().find(|(n, _)| n.is(name)) {

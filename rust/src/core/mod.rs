@@ -483,6 +483,7 @@ fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     })?))
 }
 
+mod ahead;
 mod api;
 mod build;
 mod merge;
