@@ -135,7 +135,7 @@ struct Entry<T> {
 }
 
 /// No slot: before a step's first output, or no guess.
-pub const NO_SLOT: usize = usize::MAX;
+const NO_SLOT: usize = usize::MAX;
 
 /// Internal id -> state, in slots so the hot loop indexes a Vec; plus the
 /// external -> [internal...] map (insertion ordered, as vLLM keeps it).
