@@ -242,9 +242,11 @@ impl MergeRules {
         }
     }
 
-    /// `obj.f = next.f` for each name; with `unless_none`, only where next's is not None.
+    /// `obj.f = next.f` for each name, written into `obj`'s instance dict; with
+    /// `unless_none`, only where next's is not None. A value that is already the
+    /// same object (None over None, most steps) is left alone.
     fn assign_each(
-        obj: &Bound<'_, PyAny>,
+        obj: &Bound<'_, PyDict>,
         next: &NextFields<'_, '_>,
         names: &[Py<PyString>],
         unless_none: bool,
@@ -252,34 +254,64 @@ impl MergeRules {
         let py = obj.py();
         for name in names {
             let v = next.get(name)?;
-            if !(unless_none && v.is_none()) {
-                obj.setattr(name.bind(py), v)?;
+            if unless_none && v.is_none() {
+                continue;
             }
+            let name = name.bind(py);
+            if obj.get_item(name)?.is_some_and(|cur| cur.is(&v)) {
+                continue;
+            }
+            obj.set_item(name, v)?;
         }
         Ok(())
     }
 
-    /// Whether `cur` (a RequestOutput with one completion `cur_co`) can take `next`
-    /// natively; checked in full before anything is written.
-    fn accepts(&self, cur_co: &Bound<'_, PyAny>, next_co: &NextFields<'_, '_>) -> PyResult<bool> {
-        let py = cur_co.py();
+    /// Whether `co` (the instance dict of a RequestOutput's one completion) can take
+    /// `next_co` natively, and `ro` (the RequestOutput's) has what the merge reads;
+    /// checked in full before anything is written.
+    fn accepts(
+        &self,
+        ro: &Bound<'_, PyDict>,
+        co: &Bound<'_, PyDict>,
+        next_co: &NextFields<'_, '_>,
+    ) -> PyResult<bool> {
+        let py = co.py();
         for name in &self.refused {
             if !next_co.get(name)?.is_none() {
                 return Ok(false);
             }
         }
         for name in &self.extended {
-            if !cur_co.getattr(name.bind(py))?.is_instance_of::<PyList>() {
+            if !co
+                .get_item(name.bind(py))?
+                .is_some_and(|v| v.is_exact_instance_of::<PyList>())
+            {
+                return Ok(false);
+            }
+        }
+        // Read below: a field only the class has (a default) is left to vLLM's add.
+        for name in &self.concatenated {
+            if !co.contains(name.bind(py))? {
+                return Ok(false);
+            }
+        }
+        for name in &self.ro_or {
+            if !ro.contains(name.bind(py))? {
                 return Ok(false);
             }
         }
         let index = next_co.get(&self.index)?;
-        cur_co.getattr(self.index.bind(py))?.eq(index)
+        match co.get_item(self.index.bind(py))? {
+            Some(cur) => cur.eq(index),
+            None => Ok(false),
+        }
     }
 
     /// Merge `next` (the fields of the next RequestOutput and of its one
     /// completion) into `cur` as `cur.add(next, aggregate=True)` would. Returns
-    /// false, having written nothing, when it is left to vLLM's `add`.
+    /// false, having written nothing, when it is left to vLLM's `add`. The fields
+    /// are read and written in the instance dicts: the adapter's self-check
+    /// (`check_native_merge`) compares them with vLLM's add on the running vLLM.
     pub(super) fn merge(
         &self,
         cur: &Bound<'_, PyAny>,
@@ -287,28 +319,52 @@ impl MergeRules {
         next_ro: &NextFields<'_, '_>,
         next_co: &NextFields<'_, '_>,
     ) -> PyResult<bool> {
-        if !self.accepts(cur_co, next_co)? {
+        let (Some(ro), Some(co)) = (instance_dict(cur), instance_dict(cur_co)) else {
+            return Ok(false);
+        };
+        if !self.accepts(&ro, &co, next_co)? {
             return Ok(false);
         }
         let py = cur.py();
         for name in &self.concatenated {
-            let joined = cur_co.getattr(name.bind(py))?.add(next_co.get(name)?)?;
-            cur_co.setattr(name.bind(py), joined)?;
+            let name = name.bind(py);
+            let cur_v = co
+                .get_item(name)?
+                .unwrap_or_else(|| py.None().into_bound(py));
+            co.set_item(name, cur_v.add(next_co.get(name.as_unbound())?)?)?;
         }
         for name in &self.extended {
-            let list = cur_co.getattr(name.bind(py))?;
-            list.call_method1(s!(py, "extend"), (next_co.get(name)?,))?;
+            let Some(list) = co.get_item(name.bind(py))? else {
+                continue; // checked in `accepts`
+            };
+            let list = list.cast_into::<PyList>()?;
+            let more = next_co.get(name)?;
+            if more.is_exact_instance_of::<PyList>() {
+                let n = list.len();
+                list.set_slice(n, n, &more)?;
+            } else {
+                list.call_method1(s!(py, "extend"), (more,))?;
+            }
         }
-        Self::assign_each(cur_co, next_co, &self.kept_unless_none, true)?;
-        Self::assign_each(cur_co, next_co, &self.replaced, false)?;
+        Self::assign_each(&co, next_co, &self.kept_unless_none, true)?;
+        Self::assign_each(&co, next_co, &self.replaced, false)?;
         for name in &self.ro_or {
-            let v = cur.getattr(name.bind(py))?.bitor(next_ro.get(name)?)?;
-            cur.setattr(name.bind(py), v)?;
+            let name = name.bind(py);
+            let cur_v = ro
+                .get_item(name)?
+                .unwrap_or_else(|| py.None().into_bound(py));
+            ro.set_item(name, cur_v.bitor(next_ro.get(name.as_unbound())?)?)?;
         }
-        Self::assign_each(cur, next_ro, &self.ro_replaced, false)?;
-        Self::assign_each(cur, next_ro, &self.ro_kept_unless_none, true)?;
+        Self::assign_each(&ro, next_ro, &self.ro_replaced, false)?;
+        Self::assign_each(&ro, next_ro, &self.ro_kept_unless_none, true)?;
         Ok(true)
     }
+}
+
+/// `obj.__dict__`, when it is a plain dict.
+fn instance_dict<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
+    let d = obj.getattr(s!(obj.py(), "__dict__")).ok()?;
+    d.cast_into_exact::<PyDict>().ok()
 }
 
 impl Classes {
