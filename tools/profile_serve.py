@@ -4,11 +4,15 @@ For stock/on and plugin/on (statistics on, vllm serve's default) in front of vLL
 engine: start a long streaming-chat load (vllm-rs bench serve, 32-token prompts, 256
 output tokens, concurrency 64), let it ramp up, record the API server process with
 `py-spy record --nonblocking` (all threads that are running, the event loop and the
-renderer's tokenizer threads alike), stop the load, then print:
+renderer's tokenizer threads alike, each sample labelled with its thread), stop the
+load, then print:
+  - the CPU each of the API server's threads used over the recording (/proc), and the
+    whole machine's (two cores here): which thread is the limit;
   - the top frames by own time (the leaf of each sample) and by total time (anywhere in
     the stack), each as a share of all samples;
   - the samples grouped into areas (innermost match wins): engine-output receive and
-    decode, request statistics, the output loop, prompt rendering/tokenization, HTTP.
+    decode, request statistics, the output loop, prompt rendering/tokenization, HTTP;
+  - the same areas and own-time frames for the event-loop (main) thread alone.
 Raw collapsed stacks are kept under .cache/profile/ (flamegraph.pl reads them).
 
 Usage: python tools/profile_serve.py [--seconds 20] [--concurrency 64] [--endpoint chat]
@@ -56,6 +60,9 @@ AREAS: list[tuple[str, re.Pattern[str]]] = [
 ]
 ENTRY_SHARE = 0.8
 FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^:()]*)(?::\d+)?\)$")
+# py-spy --threads puts the thread first in each stack: "thread (0x7f..): MainThread".
+THREAD = re.compile(r"^thread \((?P<tid>[^)]*)\)(?:: (?P<name>.*))?$")
+MAIN_THREAD = "MainThread"
 
 
 def py_spy() -> str:
@@ -73,16 +80,24 @@ def short_file(path: str) -> str:
     return path
 
 
-def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
+def parse_collapsed(text: str, thread: str | None = None) -> list[tuple[list[str], int]]:
     """py-spy's raw (collapsed) format: 'root;...;leaf COUNT', frames 'func (file:line)'.
-    Frames are normalized to 'func (file)' so lines of one function add up."""
+    Frames are normalized to 'func (file)' so lines of one function add up. With
+    `thread`, only that thread's samples (by name; needs `--threads`); the thread
+    label itself is dropped either way."""
     stacks = []
     for line in text.splitlines():
         if not line.strip():
             continue
         stack, _, count = line.rpartition(" ")
+        names = stack.split(";")
+        label = THREAD.match(names[0])
+        if label:
+            names = names[1:]
+        if not names or (thread is not None and (label is None or label["name"] != thread)):
+            continue  # another thread's, or a thread with no Python frame
         frames = []
-        for fr in stack.split(";"):
+        for fr in names:
             m = FRAME.match(fr)
             frames.append(f"{m['func']} ({short_file(m['file'])})" if m else fr)
         stacks.append((frames, int(count)))
@@ -137,8 +152,44 @@ def start_load(tools: Any, fe: Any, model: str, endpoint: str, concurrency: int,
 
 def record(pid: int, seconds: float, out: pathlib.Path) -> None:
     subprocess.run([py_spy(), "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                    "--rate", "100", "--nonblocking", "--format", "raw", "--output", str(out)],
+                    "--rate", "100", "--nonblocking", "--threads", "--format", "raw",
+                    "--output", str(out)],
                    check=True, capture_output=True, timeout=seconds + 120)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of `pid`, by "name tid"; the main
+    thread (tid = pid) is named MainThread, as py-spy names it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        fields = stat.rpartition(")")[2].split()
+        name = MAIN_THREAD if task.name == str(pid) else stat[stat.index("(") + 1:stat.rindex(")")]
+        out[f"{name} {task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat."""
+    values = [int(v) for v in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def recorded_with_cpu(pid: int, seconds: float, out: pathlib.Path) -> dict[str, Any]:
+    """`record`, and the CPU each thread and the machine used meanwhile, in % of one core."""
+    before, (busy0, total0), t0 = thread_cpu(pid), machine_busy(), time.monotonic()
+    record(pid, seconds, out)
+    after, (busy1, total1), wall = thread_cpu(pid), machine_busy(), time.monotonic() - t0
+    used = {k: round(100 * (v - before.get(k, 0.0)) / wall, 1) for k, v in after.items()}
+    cores = os.cpu_count() or 1
+    return {"threads_cpu_pct": dict(sorted(used.items(), key=lambda kv: -kv[1])[:5]),
+            "machine_busy_pct": round(100 * cores * (busy1 - busy0) / max(1, total1 - total0), 1),
+            "cores": cores}
 
 
 def profile_frontends(args: Any, fes: dict[str, Any], work: pathlib.Path, endpoint: str = "chat",
@@ -157,11 +208,13 @@ def profile_frontends(args: Any, fes: dict[str, Any], work: pathlib.Path, endpoi
         try:
             time.sleep(ramp)
             raw = out_dir / f"{name.replace('/', '-')}-{endpoint}-c{concurrency}.txt"
-            record(fes[name].api_pid, args.profile, raw)
+            cpu = recorded_with_cpu(fes[name].api_pid, args.profile, raw)
         finally:
             stop_proc(load)
-        results[name] = summarize_profile(parse_collapsed(raw.read_text()))
-        results[name]["raw"] = str(raw.relative_to(ROOT))
+        text = raw.read_text()
+        results[name] = summarize_profile(parse_collapsed(text))
+        results[name]["main_thread"] = summarize_profile(parse_collapsed(text, MAIN_THREAD))
+        results[name].update(cpu, raw=str(raw.relative_to(ROOT)))
     print_profiles(results, endpoint, concurrency)
     return results
 
@@ -170,12 +223,21 @@ def print_profiles(results: dict[str, dict[str, Any]], endpoint: str, concurrenc
     for name, res in results.items():
         print(f"\npy-spy: API server, {name}, streaming {endpoint}, concurrency {concurrency}, "
               f"{res['samples']} samples ({res['raw']})")
-        for title, key in (("areas (innermost match)", "areas"), ("own time", "own"),
-                           ("total time", "total")):
+        print(f"  CPU over the recording, % of one core: machine {res['machine_busy_pct']} "
+              f"of {100 * res['cores']}; API server threads "
+              + ", ".join(f"{k} {v}" for k, v in res["threads_cpu_pct"].items()))
+        main = res["main_thread"]
+        for title, part, key in (("areas (innermost match)", res, "areas"), ("own time", res, "own"),
+                                 ("total time", res, "total"),
+                                 (f"main thread ({main['samples']} samples), areas", main, "areas"),
+                                 ("main thread, own time", main, "own")):
             print(f"  {title}:")
-            for frame, share in res[key]:
+            for frame, share in part[key]:
                 print(f"    {share:5.1f}%  {frame}")
-        print(json.dumps({"profile": name, "areas": res["areas"], "own": res["own"][:10]}))
+        print(json.dumps({"profile": name, "areas": res["areas"], "own": res["own"][:10],
+                          "main_thread_areas": main["areas"], "main_thread_own": main["own"][:10],
+                          "threads_cpu_pct": res["threads_cpu_pct"],
+                          "machine_busy_pct": res["machine_busy_pct"]}))
 
 
 def main() -> None:

@@ -131,3 +131,35 @@ def test_closed_loop_runs_have_at_least_min_prompts() -> None:
     assert closed == {(8, 256), (32, 256), (128, 512)}
     quick = bench_serve.parse_args(["--quick"])
     assert {n for *_, rate, n in bench_serve.load_points(quick, quick.configs, 0) if rate is None} == {32}
+
+
+def test_profile_splits_samples_by_thread() -> None:
+    """py-spy --threads labels each stack with its thread; the profile keeps all
+    threads' samples and can take the event-loop (main) thread's alone."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import profile_serve
+
+    raw = ("thread (0x7f01): MainThread;run (asyncio/runners.py:118);"
+           "process_outputs (site-packages/vllm/v1/engine/output_processor.py:700) 5\n"
+           "thread (0x7f02): ThreadPoolExecutor-3_0;"
+           "_encode_plus (site-packages/transformers/tokenization_utils_tokenizers.py:9) 3\n"
+           "thread (0x7f03): ZMQbg/IO/0 2\n")
+    everything = profile_serve.parse_collapsed(raw)
+    main = profile_serve.parse_collapsed(raw, profile_serve.MAIN_THREAD)
+    assert [count for _, count in everything] == [5, 3]  # the frameless thread is dropped
+    assert main == [(["run (asyncio/runners.py)",
+                      "process_outputs (vllm/v1/engine/output_processor.py)"], 5)]
+    areas = dict(profile_serve.summarize_profile(main)["areas"])
+    assert areas == {"output loop (process_outputs, collectors)": 100.0}
+    assert profile_serve.parse_collapsed("a (x.py:1);b (y.py:2) 4\n") == [(["a (x.py)", "b (y.py)"], 4)]
+
+
+def test_thread_cpu_names_the_main_thread() -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import profile_serve
+
+    cpu = profile_serve.thread_cpu(os.getpid())
+    assert f"{profile_serve.MAIN_THREAD} {os.getpid()}" in cpu
+    assert all(v >= 0 for v in cpu.values())
+    busy, total = profile_serve.machine_busy()
+    assert 0 <= busy <= total
