@@ -94,11 +94,16 @@ class Frontend:
         return self.proc.pid
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
+def stat_cpu_seconds(stat: str | pathlib.Path) -> float:
+    """utime + stime from a /proc stat file (a process's, or one thread's under task/)."""
+    with open(stat) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), from /proc/<pid>/stat."""
+    return stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 def is_listening(port: int) -> bool:

@@ -160,16 +160,16 @@ def record(pid: int, seconds: float, out: pathlib.Path) -> None:
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of `pid`, by "name tid"; the main
     thread (tid = pid) is named MainThread, as py-spy names it."""
-    tick = os.sysconf("SC_CLK_TCK")
+    from bench_serve import stat_cpu_seconds
+
     out = {}
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
         try:
-            stat = (task / "stat").read_text()
+            cpu = stat_cpu_seconds(task / "stat")
+            name = MAIN_THREAD if task.name == str(pid) else (task / "comm").read_text().strip()
         except OSError:  # the thread ended
             continue
-        fields = stat.rpartition(")")[2].split()
-        name = MAIN_THREAD if task.name == str(pid) else stat[stat.index("(") + 1:stat.rindex(")")]
-        out[f"{name} {task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+        out[f"{name} {task.name}"] = cpu
     return out
 
 
