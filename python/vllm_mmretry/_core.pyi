@@ -11,6 +11,7 @@ __all__ = [
     "NativeVocab",
     "OutputCore",
     "OutputsReader",
+    "SocketReceiver",
     "__version__",
     "native_detok_fallback_reason",
 ]
@@ -120,6 +121,23 @@ class OutputsReader:
     def __new__(cls, schema: OutputsWire) -> OutputsReader: ...
     # None when the message is not of the common shape (vLLM's decoder then reads it).
     def read(self, frame: Any) -> Any | None: ...
+
+@final
+class SocketReceiver:
+    """A thread reading one libzmq socket off the event loop (recv.rs)."""
+
+    # False once stop() has joined the thread.
+    running: bool
+    def __new__(cls, libzmq_path: str, socket: int) -> SocketReceiver: ...
+    # The eventfd that turns readable once a message waits after pop() gave None.
+    def fileno(self) -> int: ...
+    # A message's frames (bytes, or wrap(bytes)); None when none waits; libzmq's
+    # errno when none waits and the thread stopped on that error.
+    def pop(self, wrap: Callable[[bytes], Any] | None = None) -> list[Any] | int | None: ...
+    def clear_wake(self) -> None: ...
+    # (messages taken from the socket, taken and not popped yet)
+    def counts(self) -> tuple[int, int]: ...
+    def stop(self) -> None: ...
 
 # prometheus_client updates for one metric child (prom.rs); any call other than
 # the one-positional form goes to the child's own method, which `original`

@@ -9,6 +9,7 @@ pub mod eco;
 pub mod inline;
 pub mod prefetch;
 pub mod prom;
+pub mod recv;
 pub mod table;
 pub mod wire;
 
@@ -22,6 +23,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     detok::py::register(m)?;
     wire::py::register(m)?;
     prom::py::register(m)?;
+    recv::py::register(m)?;
     Ok(())
 }
 

@@ -1,0 +1,80 @@
+//! Thin PyO3 view of the socket reader thread (`_core.SocketReceiver`).
+//! `vllm_mmretry.receive` decides when it is used and owns the socket's lifecycle.
+
+use pyo3::exceptions::PyOSError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use super::{Popped, Receiver};
+use crate::core::guarded;
+
+/// Reads one libzmq socket in a thread of its own; messages are popped in order.
+#[pyclass(module = "vllm_mmretry._core")]
+pub struct SocketReceiver {
+    inner: Receiver,
+}
+
+#[pymethods]
+impl SocketReceiver {
+    /// Starts the thread on `socket` (pyzmq's `Socket.underlying`), calling the libzmq
+    /// already loaded from `libzmq_path`.
+    #[new]
+    fn new(libzmq_path: &str, socket: usize) -> PyResult<Self> {
+        let inner = guarded("SocketReceiver()", || Receiver::start(libzmq_path, socket))?
+            .map_err(PyOSError::new_err)?;
+        Ok(Self { inner })
+    }
+
+    /// The eventfd that becomes readable once a message waits after `pop` gave None.
+    fn fileno(&self) -> i32 {
+        self.inner.wake_fd()
+    }
+
+    /// The next message as a list of frames, each `bytes` or `wrap(bytes)`; None when
+    /// none waits (the eventfd will say when one does); an int, libzmq's errno, when
+    /// none waits and the thread has stopped on that error.
+    #[pyo3(signature = (wrap=None))]
+    fn pop<'py>(&self, py: Python<'py>, wrap: Option<&Bound<'py, PyAny>>) -> PyResult<Py<PyAny>> {
+        let popped = guarded("SocketReceiver.pop", || self.inner.pop())?;
+        match popped {
+            Popped::Message(frames) => {
+                let list = PyList::empty(py);
+                for frame in &frames {
+                    let bytes = PyBytes::new(py, frame);
+                    match wrap {
+                        Some(w) => list.append(w.call1((bytes,))?)?,
+                        None => list.append(bytes)?,
+                    }
+                }
+                Ok(list.into_any().unbind())
+            }
+            Popped::Empty => Ok(py.None()),
+            Popped::Failed(errno) => Ok(errno.into_pyobject(py)?.into_any().unbind()),
+        }
+    }
+
+    /// Reads the eventfd down (the loop's reader saw it readable).
+    fn clear_wake(&self) {
+        self.inner.clear_wake();
+    }
+
+    /// (messages taken from the socket, messages taken and not popped yet)
+    fn counts(&self) -> (u64, usize) {
+        self.inner.counts()
+    }
+
+    /// Stops and joins the thread (without the GIL); the socket may be closed after.
+    fn stop(&mut self, py: Python<'_>) {
+        let inner = &mut self.inner;
+        py.detach(|| inner.stop());
+    }
+
+    #[getter]
+    fn running(&self) -> bool {
+        self.inner.running()
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SocketReceiver>()
+}
