@@ -41,7 +41,7 @@ def vllm_start() -> Any:
 class Wire:
     """A client as vLLM's output task sees it, on a real socket pair."""
 
-    def __init__(self, ready_first: bool) -> None:
+    def __init__(self, ready_first: bool, native: bool = False) -> None:
         self.ctx = zmq.asyncio.Context()
         address = f"inproc://receive-{next(_addresses)}"
         self.pull = self.ctx.socket(zmq.PULL)
@@ -49,8 +49,11 @@ class Wire:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(address)
         self.waits = 0
+        self.sent = 0
         self._count_waits()
-        if ready_first:
+        self.native = native and receive.make_natively_received(self.pull)
+        assert self.native == native
+        if ready_first and not native:
             receive.make_ready_first(self.pull)
         client = object.__new__(AsyncMPClient)
         client.resources = BackgroundResources(ctx=self.ctx)
@@ -77,6 +80,7 @@ class Wire:
     async def send(self, message: EngineCoreOutputs | bytes) -> None:
         frames = [message] if isinstance(message, bytes) else list(self.encoder.encode(message))
         await self.push.send_multipart(frames, copy=False)
+        self.sent += 1
 
     def expect_utility(self, call_id: int) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -130,8 +134,8 @@ stream_st = st.lists(st.lists(message_st, min_size=1, max_size=6), min_size=1, m
 
 
 async def run_stream(ready_first: bool, bursts: list[list[Any]], dead: bool,
-                     native_decode: bool = False) -> dict[str, Any]:
-    wire = Wire(ready_first)
+                     native_decode: bool = False, native_receive: bool = False) -> dict[str, Any]:
+    wire = Wire(ready_first, native=native_receive)
     if native_decode:
         wire.client.decoder = receive.NativeOutputsDecoder(wire.client.decoder, reader())
     try:
@@ -171,7 +175,13 @@ async def run_stream(ready_first: bool, bursts: list[list[Any]], dead: bool,
 
 
 async def drained(wire: Wire) -> None:
-    for _ in range(200):
+    if wire.native:  # the thread owns the socket: ask it, not libzmq
+        receiver = wire.pull.recv_multipart.__self__.receiver
+        for _ in range(2000):
+            if receiver.counts() == (wire.sent, 0):
+                break
+            await asyncio.sleep(0.001)
+    for _ in range(200 if not wire.native else 0):
         if not wire.pull.get(zmq.EVENTS) & zmq.POLLIN:
             break
         await asyncio.sleep(0)
@@ -263,9 +273,12 @@ def test_ready_first_queues_what_stock_queues(bursts: list[list[Any]], dead: boo
     stock = asyncio.run(run_stream(False, bursts, dead))
     ours = asyncio.run(run_stream(True, bursts, dead))
     native = asyncio.run(run_stream(True, bursts, dead, native_decode=True))
+    thread = asyncio.run(run_stream(False, bursts, dead, native_receive=True))
     same = {"queued", "utilities", "engine_dead"}
     assert {k: ours[k] for k in same} == {k: stock[k] for k in same}
     assert {k: native[k] for k in same} == {k: stock[k] for k in same}
+    assert {k: thread[k] for k in same} == {k: stock[k] for k in same}
+    assert thread["waits"] == 0  # pyzmq never read the socket
     if not dead:
         assert native["native"] >= 1  # at least the closing message was read natively
     assert stock["engine_dead"] is dead
@@ -455,3 +468,180 @@ def test_an_unknown_output_task_is_refused(start: Any, why: str) -> None:
 
     reason = v0_32._check_output_task(start)
     assert reason is not None and why in reason
+
+
+# --- the native receive thread (VLLM_MMRETRY_NATIVE_RECEIVE=1) ---------------------
+
+
+def receiver_of(sock: Any) -> Any:
+    return sock.recv_multipart.__self__.receiver
+
+
+@settings(max_examples=30, deadline=None)
+@given(messages=multipart_st, copy=st.booleans(), track=st.booleans())
+def test_the_native_thread_receives_the_frames_pyzmq_receives(
+        messages: list[list[bytes]], copy: bool, track: bool) -> None:
+    """Multipart messages (empty frames included) read through the native thread and
+    through pyzmq: the same frames, in the same order, of the same type."""
+    async def read(native: bool) -> list[list[tuple[str, bytes]]]:
+        ctx = zmq.asyncio.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        address = f"inproc://native-frames-{next(_addresses)}"
+        pull.bind(address)
+        push.connect(address)
+        if native:
+            assert receive.make_natively_received(pull)
+        try:
+            got = []
+            for message in messages:  # some sent before the read, some while it waits
+                await push.send_multipart(message)
+            for _ in messages:
+                parts = await asyncio.wait_for(pull.recv_multipart(copy=copy, track=track), 10)
+                got.append([(type(part).__name__, bytes(part)) for part in parts])
+            await push.send_multipart([b"late"])
+            late = await asyncio.wait_for(pull.recv_multipart(copy=copy), 10)
+            got.append([(type(part).__name__, bytes(part)) for part in late])
+            return got
+        finally:
+            push.close(linger=0)
+            pull.close(linger=0)
+            ctx.term()
+
+    ours = asyncio.run(read(True))
+    assert ours == asyncio.run(read(False))
+    assert [[frame for _, frame in message] for message in ours] == [*messages, [b"late"]]
+
+
+def test_close_stops_the_thread_and_a_waiting_task_ends_as_in_stock() -> None:
+    """vLLM's shutdown (`BackgroundResources()` closes the socket) while the output
+    task waits: the thread is joined before pyzmq's close, and the task's wait is
+    cancelled as pyzmq cancels its own, so the queue ends with EngineDeadError."""
+    async def go(native: bool) -> tuple[Any, bool]:
+        wire = Wire(ready_first=False, native=native)
+        receiver = receiver_of(wire.pull) if native else None
+        try:
+            wire.start(vllm_start())
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+            first = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            await asyncio.sleep(0.05)  # the task now waits for the next message
+            wire.client.resources.output_queue_task = None  # only the socket is closed
+            wire.pull.close(linger=0)
+            last = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            return [as_tuple(first), as_tuple(last)], receiver is not None and receiver.running
+        finally:
+            wire.close()
+
+    ours, running = asyncio.run(go(True))
+    assert ours == asyncio.run(go(False))[0]
+    assert ours[-1] == ("raised", "EngineDeadError")
+    assert running is False
+
+
+def test_vllms_resource_cleanup_stops_the_thread() -> None:
+    async def go() -> tuple[bool, bool]:
+        wire = Wire(ready_first=False, native=True)
+        receiver = receiver_of(wire.pull)
+        try:
+            wire.start(vllm_start())
+            running = receiver.running
+            wire.client.resources()  # vLLM's finalizer: closes sockets, cancels the task
+            await asyncio.sleep(0)
+            return running, receiver.running
+        finally:
+            wire.push.close(linger=0)
+            wire.ctx.term()
+
+    assert asyncio.run(go()) == (True, False)
+
+
+def test_a_socket_error_in_the_thread_reaches_the_task_as_a_zmq_error() -> None:
+    """The context terminated under the socket: libzmq's ETERM stops the thread, the
+    messages read before it are still delivered, then the task's receive raises
+    ZMQError(ETERM) (what pyzmq's receive raises) and vLLM's task queues it.
+
+    Not compared with stock: there pyzmq's asyncio reader callback raises inside the
+    event loop (logged) and the task waits forever (checked below, with a timeout)."""
+    import threading
+
+    async def go(native: bool) -> list[Any]:
+        wire = Wire(ready_first=False, native=native)
+        wire.start(vllm_start())
+        await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+        got = [as_tuple(await asyncio.wait_for(wire.client.outputs_queue.get(), 10))]
+        wire.push.close(linger=0)
+        term = threading.Thread(target=wire.ctx.term, daemon=True)  # ends once pull closes
+        term.start()
+        try:
+            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10 if native else 1)
+            got.append(("raised", type(item).__name__, getattr(item, "errno", None)))
+        except TimeoutError:
+            got.append("waits")
+        wire.pull.close(linger=0)
+        term.join(10)
+        assert not term.is_alive()
+        return got
+
+    ours = asyncio.run(go(True))
+    assert ours[0][0] == "EngineCoreOutputs"
+    assert ours[1:] == [("raised", "ContextTerminated", zmq.ETERM)]
+    assert asyncio.run(go(False))[1:] == ["waits"]
+
+
+def test_the_installed_starter_has_the_thread_read_the_socket() -> None:
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam)
+    start = receive._starting_task(vllm_start(), seam, ready_first=True, reader=None,
+                                   native_receive=True)
+
+    async def go() -> tuple[bool, str, int]:
+        wire = Wire(ready_first=False)
+        try:
+            start(wire.client)
+            native = receive.receives_natively(wire.pull)
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            return native, item.outputs[0].request_id, wire.waits
+        finally:
+            wire.close()
+
+    assert asyncio.run(go()) == (True, "a", 0)
+
+
+def test_without_a_loaded_libzmq_the_socket_is_left_to_ready_first(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    seam = adapter().receive_seam()
+    assert isinstance(seam, ReceiveSeam)
+    monkeypatch.setattr(receive, "loaded_libzmq", lambda: "/nonexistent/libzmq.so.5")
+    start = receive._starting_task(vllm_start(), seam, ready_first=True, reader=None,
+                                   native_receive=True)
+
+    async def go() -> tuple[bool, bool, str]:
+        wire = Wire(ready_first=False)
+        try:
+            start(wire.client)
+            recv = wire.pull.recv_multipart
+            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
+            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
+            return (getattr(recv, "__self__", None) is None, receive.is_ready_first(wire.pull),
+                    item.outputs[0].request_id)
+        finally:
+            wire.close()
+
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(go()) == (True, True, "a")
+    assert "not received natively (/nonexistent/libzmq.so.5 is not a loaded library)" in caplog.text
+
+
+def test_this_process_has_one_libzmq_and_it_is_pyzmqs() -> None:
+    path = receive.loaded_libzmq()
+    assert path is not None and "libzmq" in path
+    with pytest.raises(OSError, match="not a loaded library"):
+        _core_receiver("/nonexistent/libzmq.so.5", 1)
+    with pytest.raises(OSError, match="no socket"):
+        _core_receiver(path, 0)
+
+
+def _core_receiver(path: str, handle: int) -> Any:
+    from vllm_mmretry import _core
+
+    return _core.SocketReceiver(path, handle)

@@ -21,15 +21,25 @@ request ids, token ids, finish and stop reasons, every other per-request field n
 and hands every other message to vLLM's `MsgpackDecoder`, which also decodes the
 top-level fields the reader does not (scheduler stats, utility replies, ...).
 
+With VLLM_MMRETRY_NATIVE_RECEIVE=1 the socket is instead read by a native thread
+(`_core.SocketReceiver`, rust/src/recv.rs) that waits on it and copies each waiting
+message out without the GIL; the task's `recv_multipart` pops those messages in
+order and, when none waits, awaits an eventfd the thread writes. From the task's
+start until the socket is closed only that thread touches the socket: the socket's
+`close` stops and joins the thread first.
+
 The adapter names the seam (`receive_seam`) and the message layout (`outputs_wire`)
 and checks both against this vLLM; otherwise vLLM's receive or decoder is left
 alone (one WARNING). VLLM_MMRETRY_READY_FIRST_RECEIVE=0 leaves the receive alone;
-the native decoder is used only with VLLM_MMRETRY_NATIVE_DECODE=1."""
+the native decoder is used only with VLLM_MMRETRY_NATIVE_DECODE=1, the native
+receive thread only with VLLM_MMRETRY_NATIVE_RECEIVE=1."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +54,7 @@ from vllm_mmretry.vllm_adapter.base import ReceiveSeam
 
 ENV_SWITCH = "VLLM_MMRETRY_READY_FIRST_RECEIVE"
 DECODE_SWITCH = "VLLM_MMRETRY_NATIVE_DECODE"
+NATIVE_RECEIVE_SWITCH = "VLLM_MMRETRY_NATIVE_RECEIVE"
 # Set on the replacement, so a socket is never wrapped twice.
 _MARK = "__vllm_mmretry_ready_first__"
 
@@ -57,6 +68,11 @@ def native_decode_enabled() -> bool:
     # (README, "Native engine-output decoding"); it is the reader a native batch
     # path would start from.
     return switch_on(DECODE_SWITCH, default=False)
+
+
+def native_receive_enabled() -> bool:
+    # Off unless asked for, until served runs show it pays (README, "Native receive").
+    return switch_on(NATIVE_RECEIVE_SWITCH, default=False)
 
 
 class NativeOutputsDecoder:
@@ -100,7 +116,8 @@ def native_reader() -> _core.OutputsReader | None:
 def install() -> list[str]:
     """Patch the adapter's output-task starter; [] when off or on an unknown task."""
     ready_first, native_decode = enabled(), native_decode_enabled()
-    if not (ready_first or native_decode):
+    native_receive = native_receive_enabled()
+    if not (ready_first or native_decode or native_receive):
         return []
     seam = adapter().receive_seam()
     if isinstance(seam, str):
@@ -112,21 +129,24 @@ def install() -> list[str]:
     reader = functools.cache(native_reader) if native_decode else None
     start = getattr(seam.owner, seam.method)
     return [_patching.patch_attr(seam.owner, seam.method,
-                                 _starting_task(start, seam, ready_first, reader))]
+                                 _starting_task(start, seam, ready_first, reader, native_receive))]
 
 
 def _starting_task(start: Callable[..., Any], seam: ReceiveSeam, ready_first: bool,
-                   reader: Callable[[], _core.OutputsReader | None] | None) -> Any:
-    """vLLM's output-task starter that first makes the socket ready-first and gives
-    the client the native decoder (`reader` builds the decoder's reader).
+                   reader: Callable[[], _core.OutputsReader | None] | None,
+                   native_receive: bool = False) -> Any:
+    """vLLM's output-task starter that first makes the socket ready-first (or read by
+    the native thread) and gives the client the native decoder (`reader` builds the
+    decoder's reader).
 
     vLLM calls the starter before every read of an output; once the task runs there
     is nothing left to do, so the client gets vLLM's own starter back (`hand_back`)."""
     @functools.wraps(start)
     def start_output_task(client: Any, *args: Any, **kwargs: Any) -> Any:
         sock = seam.output_socket(client)
-        if ready_first and isinstance(sock, zmq.asyncio.Socket) and not is_ready_first(sock):
-            make_ready_first(sock)
+        if isinstance(sock, zmq.asyncio.Socket) and not (is_ready_first(sock) or receives_natively(sock)):
+            if not (native_receive and make_natively_received(sock)) and ready_first:
+                make_ready_first(sock)
         # Only before the task starts: it takes the client's decoder once, then.
         if reader is not None and sock is not None:
             give_native_decoder(client, seam, reader)
@@ -169,6 +189,10 @@ def is_ready_first(sock: Any) -> bool:
     return getattr(sock.recv_multipart, _MARK, False)
 
 
+def receives_natively(sock: Any) -> bool:
+    return isinstance(getattr(sock.recv_multipart, "__self__", None), NativeReceiving)
+
+
 def make_ready_first(sock: zmq.asyncio.Socket) -> None:
     """Give `sock` a `recv_multipart` that returns a waiting message without a Future."""
     # A shadow is a second, non-owning handle on the same libzmq socket (pyzmq's
@@ -203,3 +227,111 @@ def frames_of_message(shadow: zmq.Socket[Any], flags: int, track: bool) -> list[
         frame = shadow.recv(flags, copy=False, track=track)
         parts.append(frame)
     return parts
+
+
+@functools.cache
+def loaded_libzmq() -> str | None:
+    """The path of the one libzmq this process has mapped (pyzmq's), or None."""
+    zmq.zmq_version()  # pyzmq's backend, and with it its libzmq, is loaded
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            fields = (line.split(None, 5) for line in maps)
+            paths = {f[5].strip() for f in fields if len(f) == 6}
+    except OSError:
+        return None
+    libs = {p for p in paths if os.path.basename(p).startswith("libzmq") and ".so" in p}
+    return libs.pop() if len(libs) == 1 else None
+
+
+def make_natively_received(sock: zmq.asyncio.Socket) -> bool:
+    """Have a native thread read `sock` for its `recv_multipart`; False (one WARNING)
+    when the thread cannot start, and the socket is left as it was."""
+    path = loaded_libzmq()
+    try:
+        if path is None:
+            raise OSError("no single loaded libzmq in /proc/self/maps")
+        receiver = _core.SocketReceiver(path, sock.underlying)
+    except (OSError, RuntimeError) as e:
+        vllm_logger("vllm.vllm_mmretry.receive").warning(
+            "vllm-mmretry: engine outputs are not received natively (%s)", e)
+        return False
+    NativeReceiving(sock, receiver).install()
+    vllm_logger("vllm.vllm_mmretry.receive").info(
+        "vllm-mmretry: engine outputs are received by a native thread (%s=1)", NATIVE_RECEIVE_SWITCH)
+    return True
+
+
+def zmq_error(errno: int) -> zmq.ZMQError:
+    """The exception pyzmq raises for a failed receive with this errno."""
+    if errno == zmq.ETERM:
+        return zmq.ContextTerminated(errno)
+    if errno == zmq.EAGAIN:
+        return zmq.Again(errno)
+    return zmq.ZMQError(errno)
+
+
+class NativeReceiving:
+    """`sock.recv_multipart` and `sock.close` over a `_core.SocketReceiver`.
+
+    The frames are what pyzmq's receive gives: `bytes`, or `zmq.Frame`s for
+    `copy=False` (vLLM's call). A socket error that stopped the thread is raised as
+    pyzmq raises it (`zmq.ZMQError`), once the messages read before it are taken."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, receiver: _core.SocketReceiver) -> None:
+        self.sock = sock
+        self.receiver = receiver
+        self.fd = receiver.fileno()
+        self.pyzmq_recv = sock.recv_multipart
+        self.pyzmq_close = sock.close
+        self.waiter: asyncio.Future[None] | None = None
+        self.watched: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> None:
+        self.sock.recv_multipart = self.recv_multipart  # type: ignore[method-assign]
+        self.sock.close = self.close  # type: ignore[method-assign]
+
+    async def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        wrap = None if copy else (functools.partial(zmq.Frame, track=True) if track else zmq.Frame)
+        while True:
+            if self.sock.closed:
+                return await self.pyzmq_recv(flags, copy=copy, track=track)  # pyzmq's error
+            got = self.receiver.pop(wrap)
+            if isinstance(got, list):
+                return got
+            if got is not None:
+                raise zmq_error(got)
+            if not self.receiver.running:  # stopped, not closed: pyzmq reads it again
+                return await self.pyzmq_recv(flags, copy=copy, track=track)
+            if flags & zmq.NOBLOCK:
+                raise zmq.Again()
+            await self._woken()
+
+    async def _woken(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.watched is not loop:
+            self._unwatch()
+            loop.add_reader(self.fd, self._on_wake)
+            self.watched = loop
+        self.waiter = loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def _on_wake(self) -> None:
+        self.receiver.clear_wake()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _unwatch(self) -> None:
+        if self.watched is not None and not self.watched.is_closed():
+            self.watched.remove_reader(self.fd)
+        self.watched = None
+
+    def close(self, linger: int | None = None) -> None:
+        """Stop the thread, then pyzmq's close (which cancels a waiting receive, as ours)."""
+        self.receiver.stop()
+        self._unwatch()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.cancel()
+        self.pyzmq_close(linger)

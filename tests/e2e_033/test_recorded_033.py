@@ -1,4 +1,5 @@
-"""vLLM 0.33 with the native engine-output decoder on (VLLM_MMRETRY_NATIVE_DECODE=1),
+"""vLLM 0.33 with the native engine-output decoder on (VLLM_MMRETRY_NATIVE_DECODE=1)
+and the engine-output socket read by the native thread (VLLM_MMRETRY_NATIVE_RECEIVE=1),
 served over HTTP in front of vLLM's mock engine, whose messages come from a second,
 independent encoder (the mock engine's Rust one). Requests behave as with vLLM's
 decoder (a forgotten item is still retried), and every message the API server
@@ -45,6 +46,7 @@ def native(model: str, record_dir: pathlib.Path) -> Iterator[mock_serve.MockServ
     requires_plugin_on_this_vllm()
     path = os.pathsep.join(p for p in (str(RECORDER), os.environ.get("PYTHONPATH", "")) if p)
     yield from serve(model, env={"VLLM_MMRETRY_NATIVE_DECODE": "1", "PYTHONPATH": path,
+                                 "VLLM_MMRETRY_NATIVE_RECEIVE": "1",
                                  "VLLM_MMRETRY_TEST_RECORD_DIR": str(record_dir),
                                  "VLLM_MMRETRY_FAULTS": "p1_miss=every:1"})
 
@@ -63,6 +65,7 @@ def test_served_with_the_native_decoder(native: mock_serve.MockServed, model: st
 
     body = chat_body(model, image_url((97, 1, 0)))
     assert "engine-output messages are decoded natively" in native.front_log()
+    assert "engine outputs are received by a native thread" in native.front_log()
     with client(native) as http:
         # Chat with n = 2 and a completion with a stop string.
         r = http.post("/v1/chat/completions", json={**body, "n": 2, "temperature": 0.8})
