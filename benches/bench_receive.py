@@ -1,12 +1,16 @@
 """pyzmq's `recv_multipart(copy=False)` (what vLLM's output task calls) against the
-ready-first receive's `receive.frames_of_message`, side by side in one process.
+ready-first receive's `receive.frames_of_message` and the native receive thread's
+`SocketReceiver.pop(zmq.Frame)`, side by side in one process.
 
 Both read waiting engine-output messages (vLLM's own `MsgpackEncoder` encoding of
 one `EngineCoreOutputs` with a few outputs, one frame) from the same kind of
 non-blocking socket the ready-first receive reads through. They take turns in
 blocks (who goes first alternates), so both see the same machine; the ratio is
-taken block by block. Prints one JSON line: µs per message, medians, and the
-median of the paired ratios with its 10th and 90th percentiles.
+taken block by block. The native thread reads its own socket pair: it has taken a
+block's messages before the block is timed, so its row is what the event loop still
+pays per waiting message (the thread's copy runs on another core). Prints one JSON
+line: µs per message, medians, and the median of the paired ratios (pyzmq over
+ready-first, ready-first over native) with their 10th and 90th percentiles.
 
     .venv/bin/python benches/bench_receive.py [--blocks 60] [--per-block 2000]
 """
@@ -25,7 +29,8 @@ from paired import paired_ratios, taking_turns
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from vllm_mmretry.receive import frames_of_message
+from vllm_mmretry import _core
+from vllm_mmretry.receive import frames_of_message, loaded_libzmq
 
 NONBLOCK = int(zmq.NOBLOCK)
 
@@ -44,22 +49,46 @@ def ready_first_read(sock: zmq.Socket[Any]) -> Any:
     return frames_of_message(sock, NONBLOCK, False)
 
 
-def timed_block(push: zmq.Socket[Any], pull: zmq.Socket[Any], frames: list[Any], n: int,
-                read: Callable[[zmq.Socket[Any]], Any]) -> float:
+def native_read(receiver: _core.SocketReceiver) -> Any:
+    return receiver.pop(zmq.Frame)
+
+
+def taken(receiver: _core.SocketReceiver, n: int) -> None:
+    """Wait until the thread has taken `n` messages that are not popped yet."""
+    while receiver.counts()[1] < n:
+        time.sleep(0.0005)
+
+
+def timed_block(push: zmq.Socket[Any], pull: Any, frames: list[Any], n: int,
+                read: Callable[[Any], Any]) -> float:
     """Seconds per message to read `n` waiting messages."""
     for _ in range(n):
         push.send_multipart(frames, copy=False)
+    if isinstance(pull, _core.SocketReceiver):
+        taken(pull, n)
     t0 = time.perf_counter()
     for _ in range(n):
         read(pull)
     return (time.perf_counter() - t0) / n
 
 
-def sent_and_read(push: zmq.Socket[Any], pull: zmq.Socket[Any], frames: list[Any],
-                  read: Callable[[zmq.Socket[Any]], Any]) -> Any:
-    """One message sent and read back (both reads must give the frames sent)."""
+def sent_and_read(push: zmq.Socket[Any], pull: Any, read: Callable[[Any], Any],
+                  frames: list[Any]) -> Any:
+    """One message sent and read back (every read must give the frames sent)."""
     push.send_multipart(frames, copy=False)
+    if isinstance(pull, _core.SocketReceiver):
+        taken(pull, 1)
     return read(pull)
+
+
+def socket_pair(ctx: zmq.Context[Any], name: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for s in (push, pull):
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+    pull.bind(f"inproc://{name}")
+    push.connect(f"inproc://{name}")
+    return push, pull
 
 
 def main() -> None:
@@ -68,29 +97,35 @@ def main() -> None:
     ap.add_argument("--per-block", type=int, default=2000)
     args = ap.parse_args()
     ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    for s in (push, pull):
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-    pull.bind("inproc://bench-receive")
-    push.connect("inproc://bench-receive")
+    push, pull = socket_pair(ctx, "bench-receive")
+    native_push, native_pull = socket_pair(ctx, "bench-receive-native")
+    libzmq = loaded_libzmq()
+    assert libzmq is not None
+    receiver = _core.SocketReceiver(libzmq, native_pull.underlying)
     frames = message()
-    sides = {"pyzmq": pyzmq_read, "ready_first": ready_first_read}
-    assert [bytes(f) for f in sent_and_read(push, pull, frames, pyzmq_read)] == \
-        [bytes(f) for f in sent_and_read(push, pull, frames, ready_first_read)]
+    sides: dict[str, tuple[zmq.Socket[Any], Any, Callable[[Any], Any]]] = {
+        "pyzmq": (push, pull, pyzmq_read), "ready_first": (push, pull, ready_first_read),
+        "native": (native_push, receiver, native_read)}
+    read_back = [[bytes(f) for f in sent_and_read(*side, frames)] for side in sides.values()]
+    assert read_back[0] == read_back[1] == read_back[2], read_back
     times: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(args.blocks):
         for name in taking_turns(list(sides), block):
-            times[name].append(timed_block(push, pull, frames, args.per_block, sides[name]))
+            sender, reader, read = sides[name]
+            times[name].append(timed_block(sender, reader, frames, args.per_block, read))
+    native = paired_ratios(times["ready_first"], times["native"])
     print(json.dumps({
         "frames_per_message": len(frames),
         "pyzmq_us": round(statistics.median(times["pyzmq"]) * 1e6, 3),
         "ready_first_us": round(statistics.median(times["ready_first"]) * 1e6, 3),
+        "native_thread_us": round(statistics.median(times["native"]) * 1e6, 3),
         **paired_ratios(times["pyzmq"], times["ready_first"]),
+        **{f"native_{k}": v for k, v in native.items()},
         "blocks": args.blocks, "per_block": args.per_block,
     }))
-    push.close(linger=0)
-    pull.close(linger=0)
+    receiver.stop()
+    for s in (push, pull, native_push, native_pull):
+        s.close(linger=0)
     ctx.term()
 
 

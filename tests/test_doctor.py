@@ -144,6 +144,18 @@ def test_receive_check_says_when_it_is_off(monkeypatch: pytest.MonkeyPatch) -> N
     assert check.status == "warn" and receive.ENV_SWITCH in check.summary
 
 
+def test_receive_check_reports_the_native_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmretry import doctor, receive
+
+    monkeypatch.setenv(receive.NATIVE_RECEIVE_SWITCH, "1")
+    check = doctor.check_receive()
+    assert check.status == "ok" and "received by a native thread" in check.summary
+    assert "libzmq" in check.summary
+    monkeypatch.setattr(receive, "loaded_libzmq", lambda: None)
+    check = doctor.check_receive()
+    assert check.status == "warn" and "received ready-first" in check.summary
+
+
 def test_native_decode_check_follows_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_mmretry import doctor, receive
 

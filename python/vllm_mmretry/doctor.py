@@ -143,8 +143,16 @@ def check_receive() -> Check:
                            "not the one the plugin knows ({}): outputs are received as vLLM does")
     if isinstance(seam, Check):
         return seam
-    return Check("receive", OK, "engine outputs are received ready-first "
-                 f"({seam.owner.__name__}.{seam.method})")
+    where = f"{seam.owner.__name__}.{seam.method}"
+    if receive.native_receive_enabled():
+        # The thread calls the libzmq pyzmq loaded; without it the socket stays ready-first.
+        libzmq = receive.loaded_libzmq()
+        if libzmq is None:
+            return Check("receive", WARN, f"{receive.NATIVE_RECEIVE_SWITCH}=1 but no single "
+                         "loaded libzmq was found: engine outputs are received ready-first")
+        return Check("receive", OK, f"engine outputs are received by a native thread ({where}, "
+                     f"{libzmq})")
+    return Check("receive", OK, f"engine outputs are received ready-first ({where})")
 
 
 def check_native_decode() -> Check:
