@@ -313,35 +313,41 @@ def test_ready_first_receives_the_frames_pyzmq_receives(
         read_by_frames.append(1)
         return frames_of_message(*args)
 
-    async def read(ready_first: bool) -> list[list[tuple[str, bytes]]]:
-        ctx = zmq.asyncio.Context()
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        address = f"inproc://frames-{next(_addresses)}"
-        pull.bind(address)
-        push.connect(address)
-        if ready_first:
-            receive.make_ready_first(pull)
-        try:
-            for message in messages:
-                await push.send_multipart(message)
-            got = []
-            for _ in messages:
-                parts = await pull.recv_multipart(copy=copy, track=track)
-                got.append([(type(part).__name__, bytes(part)) for part in parts])
-            return got
-        finally:
-            push.close(linger=0)
-            pull.close(linger=0)
-            ctx.term()
-
     frames_of_message = receive.frames_of_message
     with monkeypatch.context() as m:
         m.setattr(receive, "frames_of_message", counted)
-        ours = asyncio.run(read(True))
-    assert ours == asyncio.run(read(False))
+        ours = asyncio.run(frames_read(messages, copy, track, receive.make_ready_first))
+    assert ours == asyncio.run(frames_read(messages, copy, track, None))
     assert [[frame for _, frame in message] for message in ours] == messages
     # copy=False (vLLM's) reads every waiting message frame by frame
     assert len(read_by_frames) == (0 if copy else len(messages))
+
+
+async def frames_read(messages: list[list[bytes]], copy: bool, track: bool,
+                      prepare: Any, late: bool = False) -> list[list[tuple[str, bytes]]]:
+    """`messages` sent on a fresh socket pair, then read with `recv_multipart(copy,
+    track)` after `prepare(pull)`; with `late`, one more message sent and read after
+    them. Each message as (type name, bytes) per frame."""
+    ctx = zmq.asyncio.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    address = f"inproc://frames-{next(_addresses)}"
+    pull.bind(address)
+    push.connect(address)
+    if prepare is not None:
+        prepare(pull)
+    try:
+        for message in messages:
+            await push.send_multipart(message)
+        got = [await asyncio.wait_for(pull.recv_multipart(copy=copy, track=track), 10)
+               for _ in messages]
+        if late:
+            await push.send_multipart([b"late"])
+            got.append(await asyncio.wait_for(pull.recv_multipart(copy=copy, track=track), 10))
+        return [[(type(part).__name__, bytes(part)) for part in parts] for parts in got]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
 
 
 def test_the_installed_starter_makes_the_socket_ready_first() -> None:
@@ -483,32 +489,11 @@ def test_the_native_thread_receives_the_frames_pyzmq_receives(
         messages: list[list[bytes]], copy: bool, track: bool) -> None:
     """Multipart messages (empty frames included) read through the native thread and
     through pyzmq: the same frames, in the same order, of the same type."""
-    async def read(native: bool) -> list[list[tuple[str, bytes]]]:
-        ctx = zmq.asyncio.Context()
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        address = f"inproc://native-frames-{next(_addresses)}"
-        pull.bind(address)
-        push.connect(address)
-        if native:
-            assert receive.make_natively_received(pull)
-        try:
-            got = []
-            for message in messages:  # some sent before the read, some while it waits
-                await push.send_multipart(message)
-            for _ in messages:
-                parts = await asyncio.wait_for(pull.recv_multipart(copy=copy, track=track), 10)
-                got.append([(type(part).__name__, bytes(part)) for part in parts])
-            await push.send_multipart([b"late"])
-            late = await asyncio.wait_for(pull.recv_multipart(copy=copy), 10)
-            got.append([(type(part).__name__, bytes(part)) for part in late])
-            return got
-        finally:
-            push.close(linger=0)
-            pull.close(linger=0)
-            ctx.term()
+    def natively(pull: Any) -> None:
+        assert receive.make_natively_received(pull)
 
-    ours = asyncio.run(read(True))
-    assert ours == asyncio.run(read(False))
+    ours = asyncio.run(frames_read(messages, copy, track, natively, late=True))
+    assert ours == asyncio.run(frames_read(messages, copy, track, None, late=True))
     assert [[frame for _, frame in message] for message in ours] == [*messages, [b"late"]]
 
 
@@ -587,49 +572,37 @@ def test_a_socket_error_in_the_thread_reaches_the_task_as_a_zmq_error() -> None:
     assert asyncio.run(go(False))[1:] == ["waits"]
 
 
-def test_the_installed_starter_has_the_thread_read_the_socket() -> None:
+@pytest.mark.parametrize("found", [True, False], ids=["libzmq", "no-libzmq"])
+def test_the_installed_starter_has_the_thread_read_the_socket(
+        found: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With the switch, the thread reads the socket; without a loaded libzmq to call,
+    the socket is left ready-first, with one WARNING."""
     seam = adapter().receive_seam()
     assert isinstance(seam, ReceiveSeam)
+    if not found:
+        monkeypatch.setattr(receive, "loaded_libzmq", lambda: "/nonexistent/libzmq.so.5")
     start = receive._starting_task(vllm_start(), seam, ready_first=True, reader=None,
                                    native_receive=True)
 
-    async def go() -> tuple[bool, str, int]:
+    async def go() -> tuple[tuple[bool, bool], str, int]:
         wire = Wire(ready_first=False)
         try:
             start(wire.client)
-            native = receive.receives_natively(wire.pull)
+            how = (receive.receives_natively(wire.pull), receive.is_ready_first(wire.pull))
             await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
             item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
-            return native, item.outputs[0].request_id, wire.waits
-        finally:
-            wire.close()
-
-    assert asyncio.run(go()) == (True, "a", 0)
-
-
-def test_without_a_loaded_libzmq_the_socket_is_left_to_ready_first(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    seam = adapter().receive_seam()
-    assert isinstance(seam, ReceiveSeam)
-    monkeypatch.setattr(receive, "loaded_libzmq", lambda: "/nonexistent/libzmq.so.5")
-    start = receive._starting_task(vllm_start(), seam, ready_first=True, reader=None,
-                                   native_receive=True)
-
-    async def go() -> tuple[bool, bool, str]:
-        wire = Wire(ready_first=False)
-        try:
-            start(wire.client)
-            recv = wire.pull.recv_multipart
-            await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], timestamp=1.0))
-            item = await asyncio.wait_for(wire.client.outputs_queue.get(), 10)
-            return (getattr(recv, "__self__", None) is None, receive.is_ready_first(wire.pull),
-                    item.outputs[0].request_id)
+            return how, item.outputs[0].request_id, wire.waits
         finally:
             wire.close()
 
     with caplog.at_level("WARNING"):
-        assert asyncio.run(go()) == (True, True, "a")
-    assert "not received natively (/nonexistent/libzmq.so.5 is not a loaded library)" in caplog.text
+        how, request_id, waits = asyncio.run(go())
+    assert request_id == "a"
+    if found:
+        assert how == (True, False) and waits == 0  # pyzmq never read the socket
+    else:
+        assert how == (False, True)
+        assert "not received natively (/nonexistent/libzmq.so.5 is not a loaded library)" in caplog.text
 
 
 def test_this_process_has_one_libzmq_and_it_is_pyzmqs() -> None:
