@@ -522,6 +522,35 @@ def test_close_stops_the_thread_and_a_waiting_task_ends_as_in_stock() -> None:
     assert running is False
 
 
+def test_while_the_thread_owns_the_socket_the_loop_does_not_touch_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyzmq's `closed` asks libzmq (getsockopt) about the socket: the task's receive
+    must not, while the thread may be polling that socket."""
+    asked: list[int] = []
+    closed = zmq.asyncio.Socket.closed  # pyzmq's property, inherited
+
+    def counted(sock: Any) -> bool:
+        asked.append(1)
+        return bool(closed.__get__(sock))
+
+    async def go() -> list[str]:
+        wire = Wire(ready_first=False, native=True)
+        try:
+            wire.start(vllm_start())
+            monkeypatch.setattr(zmq.asyncio.Socket, "closed", property(counted))
+            for i in range(20):
+                await wire.send(EngineCoreOutputs(outputs=[EngineCoreOutput(f"r{i}", [i])], timestamp=1.0))
+            got = [(await asyncio.wait_for(wire.client.outputs_queue.get(), 10)).outputs[0].request_id
+                   for _ in range(20)]
+            monkeypatch.undo()
+            return got
+        finally:
+            wire.close()
+
+    assert asyncio.run(go()) == [f"r{i}" for i in range(20)]
+    assert asked == []
+
+
 def test_vllms_resource_cleanup_stops_the_thread() -> None:
     async def go() -> tuple[bool, bool]:
         wire = Wire(ready_first=False, native=True)

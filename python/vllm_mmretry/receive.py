@@ -55,6 +55,8 @@ from vllm_mmretry.vllm_adapter.base import ReceiveSeam
 ENV_SWITCH = "VLLM_MMRETRY_READY_FIRST_RECEIVE"
 DECODE_SWITCH = "VLLM_MMRETRY_NATIVE_DECODE"
 NATIVE_RECEIVE_SWITCH = "VLLM_MMRETRY_NATIVE_RECEIVE"
+# A plain int: `int & zmq.NOBLOCK` goes through enum.Flag.__rand__.
+_NOBLOCK = int(zmq.NOBLOCK)
 # Set on the replacement, so a socket is never wrapped twice.
 _MARK = "__vllm_mmretry_ready_first__"
 
@@ -285,6 +287,9 @@ class NativeReceiving:
         self.pyzmq_close = sock.close
         self.waiter: asyncio.Future[None] | None = None
         self.watched: asyncio.AbstractEventLoop | None = None
+        # Our own flag, not `sock.closed`: pyzmq's asks libzmq about the socket
+        # (getsockopt), which would touch it while the thread owns it.
+        self.closed = False
 
     def install(self) -> None:
         self.sock.recv_multipart = self.recv_multipart  # type: ignore[method-assign]
@@ -293,7 +298,7 @@ class NativeReceiving:
     async def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
         wrap = None if copy else (functools.partial(zmq.Frame, track=True) if track else zmq.Frame)
         while True:
-            if self.sock.closed:
+            if self.closed:
                 return await self.pyzmq_recv(flags, copy=copy, track=track)  # pyzmq's error
             got = self.receiver.pop(wrap)
             if isinstance(got, list):
@@ -302,7 +307,7 @@ class NativeReceiving:
                 raise zmq_error(got)
             if not self.receiver.running:  # stopped, not closed: pyzmq reads it again
                 return await self.pyzmq_recv(flags, copy=copy, track=track)
-            if flags & zmq.NOBLOCK:
+            if flags & _NOBLOCK:
                 raise zmq.Again()
             await self._woken()
 
@@ -330,6 +335,7 @@ class NativeReceiving:
 
     def close(self, linger: int | None = None) -> None:
         """Stop the thread, then pyzmq's close (which cancels a waiting receive, as ours)."""
+        self.closed = True
         self.receiver.stop()
         self._unwatch()
         if self.waiter is not None and not self.waiter.done():
