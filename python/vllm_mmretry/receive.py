@@ -305,8 +305,6 @@ class NativeReceiving:
                 return got
             if got is not None:
                 raise zmq_error(got)
-            if not self.receiver.running:  # stopped, not closed: pyzmq reads it again
-                return await self.pyzmq_recv(flags, copy=copy, track=track)
             if flags & _NOBLOCK:
                 raise zmq.Again()
             await self._woken()
