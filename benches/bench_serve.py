@@ -28,6 +28,10 @@ whole load run); `vs_stock`: this row's requests/s over stock's with the same st
 setting in the same repeat, median and min-max over the repeats.
 Prints a table, then one JSON line per row, then the elapsed time.
 
+The Python front ends run the vLLM of the interpreter that runs this script: `.venv`'s
+0.32.0 (`make bench-serve`) or `.venv-033`'s 0.33.0 (`make bench-serve-033`); the header
+and every JSON row name it ("vllm"). vllm-rs is 0.33.0's in both.
+
 Usage: python benches/bench_serve.py [--quick] [--repeat N] [--concurrency 8,32,...]
        [--endpoints chat,completions] [--configs stock/on,plugin/on,...] [--json-out F]
        [--profile SECONDS]   (py-spy record of the API server, stock/on and plugin/on)
@@ -55,6 +59,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 from servers import free_port, server_env  # noqa: E402
+
+from vllm_mmretry.vllm_adapter import installed_vllm_version  # noqa: E402
 
 MOCK_DIR = ROOT / ".cache" / "mock-engine"  # where `make mock-engine` puts both binaries
 CALL_TIMES_SITE = ROOT / "tools" / "call_times"  # a sitecustomize, put on PYTHONPATH
@@ -210,6 +216,21 @@ def stop_proc(proc: subprocess.Popen | None) -> None:
             continue
 
 
+def plugin_state_line(kind: str, vllm_version: str | None) -> str | None:
+    """What the plugin logs at start-up in a Python front end of this kind."""
+    return {"plugin": f"vllm-mmretry active for vLLM {vllm_version}",
+            "stock": "vllm-mmretry disabled by VLLM_MMRETRY=0"}.get(kind)
+
+
+def check_plugin_state(fes: dict[str, Frontend], vllm_version: str | None) -> None:
+    """Refuse a run whose Python front ends are not what their names say (a stock row
+    with the plugin loaded, or a plugin row on another vLLM, would compare nothing)."""
+    for fe in fes.values():
+        line = plugin_state_line(fe.name.split("/")[0], vllm_version)
+        if line is not None and line not in fe.log_path.read_text(errors="replace"):
+            raise RuntimeError(f"{fe.name}: its log lacks {line!r}; log tail:\n{tail(fe.log_path)}")
+
+
 @contextlib.contextmanager
 def serving(names: list[str], model: str, tools: Tools, log_dir: pathlib.Path,
             timeout: float = 300.0, call_times: bool = False) -> Iterator[dict[str, Frontend]]:
@@ -223,6 +244,7 @@ def serving(names: list[str], model: str, tools: Tools, log_dir: pathlib.Path,
             launched.append((fe, rpc))
         for fe, rpc in launched:
             attach_engine(fe, rpc, tools, timeout)
+        check_plugin_state(fes, installed_vllm_version())
         yield fes
     finally:
         for fe in fes.values():
@@ -527,7 +549,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.model = str(ensure_tiny_model())
     log_dir = ROOT / ".cache" / "logs" / f"bench-serve-{int(time.time())}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"bench-serve: configs {','.join(args.configs)}; endpoints {','.join(args.endpoints)}; "
+    vllm_version = installed_vllm_version()
+    print(f"bench-serve: Python front ends on vLLM {vllm_version} ({sys.executable}); "
+          f"configs {','.join(args.configs)}; endpoints {','.join(args.endpoints)}; "
           f"concurrency {args.concurrency}; repeats {args.repeat}; "
           f"{PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens; logs in {log_dir}", flush=True)
     work = log_dir / "results"  # vllm-bench's result files, one per load run
@@ -540,6 +564,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
             profile_frontends(args, fes, work)
         rows = summarize(measure(args, fes, args.model, work))
+    for row in rows:
+        row["vllm"] = vllm_version
     print_table(rows)
     print_call_times(rows)
     for row in rows:

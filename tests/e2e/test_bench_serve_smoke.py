@@ -50,6 +50,7 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
     assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
     for r in rows:
         assert (r["endpoint"], r["concurrency"], r["repeats"]) == ("chat", 8, 1)
+        assert r["vllm"] == bench_serve.installed_vllm_version()  # the Python front ends' vLLM
         assert r["req_s"] > 0 and r["req_s_min"] <= r["req_s"] <= r["req_s_max"]
         assert r["req_s_repeats"] == [r["req_s"]]  # one repeat: its value is the median
         # every request produced its 256 tokens: token rate is 256 x request rate
@@ -114,6 +115,30 @@ def test_call_times_of_is_per_message() -> None:
     assert c["record_us_per_msg"] == pytest.approx(1000)
     assert c["decode_us_per_msg"] == pytest.approx(200)
     assert c["record_cpu_share"] == pytest.approx(0.05)
+
+
+def test_a_run_is_refused_when_a_front_end_is_not_what_its_name_says(tmp_path: pathlib.Path) -> None:
+    """The plugin's start-up lines, as vLLM 0.32 logs them in a served run, decide."""
+    plugin_line = ("(MainProcess pid=1) INFO 12-03 19:12:43 [plugin.py:57] vllm-mmretry active for "
+                   "vLLM 0.32.0 (MainProcess pid=1): patched RequestOutput.__init__\n")
+    stock_line = ("(MainProcess pid=2) INFO 12-03 19:12:42 [plugin.py:57] vllm-mmretry disabled by "
+                  "VLLM_MMRETRY=0 (MainProcess pid=2); vLLM left unpatched\n")
+
+    def frontends(logs: dict[str, str]) -> dict[str, bench_serve.Frontend]:
+        fes = {}
+        for i, (name, text) in enumerate(logs.items()):
+            path = tmp_path / f"{name.replace('/', '-')}-{i}.log"
+            path.write_text(text)
+            fes[name] = bench_serve.Frontend(name, 0, path, proc=None)  # type: ignore[arg-type]
+        return fes
+
+    good = {"stock/on": stock_line, "plugin/off": plugin_line, "rust/on": ""}
+    bench_serve.check_plugin_state(frontends(good), "0.32.0")
+    for bad, version in (({**good, "stock/on": plugin_line}, "0.32.0"),
+                         ({**good, "plugin/off": stock_line}, "0.32.0"),
+                         (good, "0.33.0")):
+        with pytest.raises(RuntimeError, match="its log lacks"):
+            bench_serve.check_plugin_state(frontends(bad), version)
 
 
 def test_json_lines_match_the_rows(quick_rows: tuple[list[dict], pathlib.Path]) -> None:

@@ -1,0 +1,43 @@
+"""`make bench-serve-033`'s harness at its smallest size: the Python front ends on vLLM
+0.33.0 (this interpreter's), stock and with the plugin, and vLLM's Rust front end, each
+behind vLLM's mock engine, loaded by `vllm-rs bench serve`. The harness itself refuses a
+run whose stock front end loaded the plugin, or whose plugin front end did not run it
+on 0.33.0 (their start-up log lines); no timed assertions."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+from e033_helpers import installed_vllm_version, requires_plugin_on_this_vllm
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT / "benches") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benches"))
+
+import bench_serve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick_rows() -> list[dict]:
+    requires_plugin_on_this_vllm()
+    args = bench_serve.parse_args(["--quick"])
+    for binary in (args.tools.mock_engine, args.tools.vllm_rs):
+        assert binary.exists(), f"{binary} missing: `make mock-engine` (a prerequisite of test-033)"
+    return bench_serve.main(["--quick", "--rates", ""])
+
+
+def test_rows_are_served_by_vllm_033(quick_rows: list[dict]) -> None:
+    assert installed_vllm_version() == "0.33.0"
+    assert sorted(r["config"] for r in quick_rows) == sorted(["stock/on", "plugin/on", "rust/on"])
+    for r in quick_rows:
+        assert r["vllm"] == "0.33.0"
+        assert (r["endpoint"], r["concurrency"], r["request_rate"]) == ("chat", 8, None)
+        assert r["req_s"] > 0 and r["steady_state_runs"] == 1
+        # every request produced its 256 tokens
+        assert r["tok_s"] == pytest.approx(256 * r["req_s"], rel=0.02)
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"]
+    by = {r["config"]: r for r in quick_rows}
+    assert by["plugin/on"]["vs_stock"] == pytest.approx(
+        by["plugin/on"]["req_s"] / by["stock/on"]["req_s"], rel=0.02)
