@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -41,10 +42,42 @@ def plugin_patches_installed_vllm() -> bool:
     return int(out.stdout.strip().splitlines()[-1]) > 0
 
 
+# Ports handed out by this process, so two servers started together never share one.
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random()  # its own generator: tests may seed the global one
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range. A port found by binding to 0
+    is free when found, but a server binds it only seconds later (vLLM binds its engine
+    handshake port after its imports), and meanwhile any outgoing connection on the
+    machine may get that port as its source port: a full bench-serve run died of
+    "Address already in use" on a front end's handshake port. Below the range no
+    outgoing connection is given it."""
+    lo, hi = ports_below_ephemeral_range()
+    for _ in range(1000):
+        port = _PORTS.randrange(lo, hi)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {lo}-{hi - 1} after 1000 tries")
+
+
+def ports_below_ephemeral_range() -> tuple[int, int]:
+    """[lo, hi): from 10000 up to the first port the kernel gives outgoing connections
+    (Linux's default range starts at 32768)."""
+    try:
+        first = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    lo = 10000
+    return lo, max(first, lo + 1000)
 
 
 @dataclass
