@@ -261,7 +261,7 @@ def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency
             "--ignore-eos", "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
             "--result-filename", result.name, "--request-rate", "inf" if rate is None else str(rate)]
 
 
@@ -339,8 +339,18 @@ def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str,
         "itl_p50": res["median_itl_ms"], "itl_p99": res["p99_itl_ms"],
         "tpot_p50": res["median_tpot_ms"], "e2el_p50": res["median_e2el_ms"],
         "cpu_per_1k": cpu / (num_prompts * OUTPUT_LEN / 1000),
+        "events_per_req": events_per_request(res),
         "steady": 1.0 if ss else 0.0,
     }
+
+
+def events_per_request(res: dict[str, Any]) -> float:
+    """Mean streamed events with a choice per request (`--save-detailed`'s per-request
+    inter-token gaps, plus the first event). A consumer that is behind gets its deltas
+    merged in the collector, so a response can arrive in far fewer events than tokens;
+    TTFT and ITL are then times between these events, not between tokens."""
+    itls = res["itls"]
+    return statistics.mean(len(gaps) + 1 for gaps in itls)
 
 
 def num_prompts_for(concurrency: int, factor: float, minimum: int) -> int:
@@ -420,9 +430,9 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
         row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
                                "request_rate": rate, "repeats": len(ms)}
         for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
-                    "e2el_p50", "cpu_per_1k"):
+                    "e2el_p50", "cpu_per_1k", "events_per_req"):
             vals = [m[key] for m in ms]
-            digits = 2 if key in ("req_s", "tok_s") else 4
+            digits = 2 if key in ("req_s", "tok_s", "events_per_req") else 4
             row[key] = round(statistics.median(vals), digits)
             if key in ("req_s", "tok_s", "cpu_per_1k"):
                 row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
@@ -455,8 +465,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """A Markdown table (reads in a terminal, pastes into the README); open-loop rows
     show their rate (requests/s offered) in the load column."""
     print("| endpoint | load | config | req/s (min-max) | out tok/s | TTFT p50 / p99 ms "
-          "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms | API CPU s / 1k tok | vs stock (min-max) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms | events / req | API CPU s / 1k tok "
+          "| vs stock (min-max) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = (f"**{r['vs_stock']:.2f}** ({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})"
                  if "vs_stock" in r else "-")
@@ -464,7 +475,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['endpoint']} | {load} | {r['config']} "
               f"| {r['req_s']:.2f} ({r['req_s_min']:.2f}-{r['req_s_max']:.2f}) | {r['tok_s']:.0f} "
               f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['itl_p50']:.2f} / {r['itl_p99']:.2f} "
-              f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['cpu_per_1k']:.3f} | {ratio} |")
+              f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['events_per_req']:.1f} "
+              f"| {r['cpu_per_1k']:.3f} | {ratio} |")
 
 
 def print_call_times(rows: list[dict[str, Any]]) -> None:

@@ -60,6 +60,9 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
         assert 0 <= r["itl_p50"] <= r["itl_p99"]
         assert r["tpot_p50"] >= 0 and r["ttft_p50"] <= r["e2el_p50"]
         assert r["steady_state_runs"] == 1  # vllm-bench found a steady-state window
+        # streamed events with a choice: the role event, then at most one per token and
+        # one with the finish reason (a front end that keeps up sends all of them)
+        assert 2 <= r["events_per_req"] <= 1 + 256 + 1
         # /proc counts CPU in 10 ms ticks: the Rust front end serves the smoke run's
         # 8,192 tokens in about 0.1 s of CPU, and may show none.
         assert r["cpu_per_1k"] > 0 or (r["config"] == "rust/on" and r["cpu_per_1k"] == 0)
@@ -188,3 +191,10 @@ def test_thread_cpu_names_the_main_thread() -> None:
     assert all(v >= 0 for v in cpu.values())
     busy, total = profile_serve.machine_busy()
     assert 0 <= busy <= total
+
+
+def test_events_per_request_count_each_requests_streamed_events() -> None:
+    """`--save-detailed` keeps each request's gaps between streamed events: a request
+    with k gaps arrived in k + 1 events."""
+    res = {"itls": [[0.5, 0.25, 0.0], [], [1.0]]}
+    assert bench_serve.events_per_request(res) == pytest.approx((4 + 1 + 2) / 3)
