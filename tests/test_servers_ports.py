@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import socket
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import servers
+import servers  # tools/, on the path through tests/conftest.py
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:

@@ -69,6 +69,7 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {lo}-{hi - 1} after 1000 tries")
 
 
+@functools.cache  # read once: every free_port call asks
 def ports_below_ephemeral_range() -> tuple[int, int]:
     """[lo, hi): from 10000 up to the first port the kernel gives outgoing connections
     (Linux's default range starts at 32768)."""
