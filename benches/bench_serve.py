@@ -318,7 +318,20 @@ def call_times_of(before: dict[str, Any], after: dict[str, Any], num_prompts: in
         _, _, secs = delta.get(name, [0, 0, 0.0])
         out[f"{label}_us_per_msg"] = 1e6 * secs / msgs if msgs else 0.0
         out[f"{label}_cpu_share"] = secs / cpu if cpu else 0.0
+    out.update(output_queue_of(delta.get("output_queue"), num_prompts))
     return out
+
+
+def output_queue_of(counts: list[float] | None, num_prompts: int) -> dict[str, float]:
+    """What vLLM's output handler found waiting when it asked for the next message:
+    the mean backlog, and per catch-up (an ask that found nothing waiting) how many
+    messages it had worked through and how many requests the run completed."""
+    if not counts or not counts[0]:
+        return {}
+    asks, waiting, caught_up = counts
+    return {"backlog_msgs": waiting / asks,
+            "msgs_per_catch_up": asks / caught_up if caught_up else float(asks),
+            "reqs_per_catch_up": num_prompts / caught_up if caught_up else float(num_prompts)}
 
 
 def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str, float]:
@@ -485,15 +498,18 @@ def print_call_times(rows: list[dict[str, Any]]) -> None:
     if not timed:
         return
     print("\n| endpoint | load | config | msgs / req | outputs / msg | API CPU µs / msg "
-          "| process_outputs µs (share) | record µs (share) | decode µs (share) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| process_outputs µs (share) | record µs (share) | decode µs (share) "
+          "| backlog msgs | msgs / catch-up | reqs / catch-up |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in timed:
         c = r["calls"]
         parts = " | ".join(f"{c[k + '_us_per_msg']:.1f} ({100 * c[k + '_cpu_share']:.0f} %)"
                            for k in ("process_outputs", "record", "decode"))
+        queue = " | ".join(f"{c[k]:.1f}" if k in c else "-"
+                           for k in ("backlog_msgs", "msgs_per_catch_up", "reqs_per_catch_up"))
         load = load_label(r)
         print(f"| {r['endpoint']} | {load} | {r['config']} | {c['msgs_per_req']:.0f} "
-              f"| {c['outputs_per_msg']:.1f} | {c['cpu_us_per_msg']:.0f} | {parts} |")
+              f"| {c['outputs_per_msg']:.1f} | {c['cpu_us_per_msg']:.0f} | {parts} | {queue} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

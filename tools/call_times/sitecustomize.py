@@ -4,7 +4,11 @@ Imported at start-up when this folder is on PYTHONPATH (bench_serve puts it ther
 with --call-times). With BENCH_CALL_TIMES_DIR set, a daemon thread waits until vLLM's
 modules are loaded (it imports nothing itself), wraps the functions below with a counter
 and a timer, and writes `<dir>/<pid>.json` every 0.2 s: {name: [calls, outputs, seconds]}
-plus the process's CPU seconds. The timer is the calling thread's CPU time
+plus the process's CPU seconds. It also counts what vLLM's output handler finds when it
+asks the engine client for the next message (`get_output_async`):
+"output_queue": [asks, messages already waiting summed over the asks, asks that found
+none waiting], so a run gives the handler's mean backlog and how many messages it works
+through between two moments it has caught up. The timer is the calling thread's CPU time
 (`time.thread_time`), not wall time: a call that waits for the GIL while the renderer's
 tokenizer threads hold it, or for a core the mock engine has, would otherwise count that
 wait. Each wrapped call costs about a microsecond more (two clock reads).
@@ -21,6 +25,8 @@ _TARGETS = (
     ("vllm_mmretry.output_processor", "OutputProcessor", "process_outputs", "plugin.process_outputs"),
     ("vllm.v1.metrics.loggers", "StatLoggerManager", "record", "record"),
 )
+# The engine client whose queue the output handler reads (vLLM 0.32 and 0.33).
+_QUEUE_TARGET = ("vllm.v1.engine.core_client", "AsyncMPClient", "get_output_async")
 
 
 def _start() -> None:
@@ -49,8 +55,24 @@ def _start() -> None:
 
         setattr(cls, method, timed)
 
+    def count_queue(cls: type, method: str) -> None:
+        orig = cls.__dict__[method]
+        a = acc.setdefault("output_queue", [0, 0, 0])
+
+        @functools.wraps(orig)
+        async def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            queue = getattr(self, "outputs_queue", None)
+            waiting = queue.qsize() if queue is not None else 0
+            a[0] += 1
+            a[1] += waiting
+            a[2] += waiting == 0
+            return await orig(self, *args, **kwargs)
+
+        setattr(cls, method, counted)
+
     def run() -> None:
         pending = list(_TARGETS)
+        queue_pending = True
         path = os.path.join(_DIR, f"{os.getpid()}.json")
         while True:
             for t in list(pending):
@@ -58,6 +80,11 @@ def _start() -> None:
                 if isinstance(cls, type) and t[2] in cls.__dict__:
                     wrap(cls, t[2], t[3])
                     pending.remove(t)
+            if queue_pending:
+                cls = getattr(sys.modules.get(_QUEUE_TARGET[0]), _QUEUE_TARGET[1], None)
+                if isinstance(cls, type) and _QUEUE_TARGET[2] in cls.__dict__:
+                    count_queue(cls, _QUEUE_TARGET[2])
+                    queue_pending = False
             cpu = os.times()
             calls = {k: list(v) for k, v in list(acc.items())}  # list(): one step under the GIL
             tmp = path + ".tmp"
