@@ -10,7 +10,8 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
              the whole run under 15 minutes on 2 cores; --off-endpoints)
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
-prompts, 256 output tokens each (ignore_eos; the mock engine stops by length), closed loop
+prompts, 256 output tokens each (--output-len; ignore_eos: the mock engine stops by length),
+closed loop
 at each concurrency with 4 x concurrency requests (--prompts-factor), and at least 256
 (--min-prompts: at concurrency 8, 32 requests took the plugin about 0.3 s). Repeats alternate the
 configurations (the order rotates every repeat), so load changes on a shared machine hit
@@ -21,7 +22,7 @@ fairly (at saturation stock's responses arrive whole: see load_points()).
 
 Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
 vllm-bench's steady-state window (whole run when it has none) with its min-max; output
-tokens/s = 256 x that (the engine's count: see measurements()); TTFT and inter-token
+tokens/s = output length x that (the engine's count: see measurements()); TTFT and inter-token
 latency p50/p99, TPOT and end-to-end latency p50 as vllm-bench reports them (whole run);
 API-server CPU seconds per 1,000 output tokens (utime+stime of the API server process, all threads, from /proc over the
 whole load run); `vs_stock`: this row's requests/s over stock's with the same statistics
@@ -253,11 +254,12 @@ def serving(names: list[str], model: str, tools: Tools, log_dir: pathlib.Path,
 
 
 def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency: int,
-              num_prompts: int, result: pathlib.Path, seed: int, rate: float | None = None) -> list[str]:
+              num_prompts: int, result: pathlib.Path, seed: int, rate: float | None = None,
+              output_len: int = OUTPUT_LEN) -> list[str]:
     return [str(tools.vllm_rs), "bench", "serve",
             "--backend", ENDPOINT_BACKEND[endpoint], "--base-url", fe.base_url,
             "--model", model, "--tokenizer", model, "--dataset-name", "random",
-            "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--random-input-len", str(PROMPT_LEN), "--random-output-len", str(output_len),
             "--ignore-eos", "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -267,12 +269,12 @@ def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency
 
 def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency: int,
              num_prompts: int, work: pathlib.Path, seed: int = 0,
-             rate: float | None = None) -> dict[str, float]:
+             rate: float | None = None, output_len: int = OUTPUT_LEN) -> dict[str, float]:
     """One load run against one front end, closed loop (`rate` None: all requests queued
     at once, at most `concurrency` in flight) or open (`rate` requests/s, Poisson
     arrivals); returns the row's measurements."""
     result = work / f"{fe.name.replace('/', '-')}-{endpoint}-{concurrency}-{time.monotonic_ns()}.json"
-    cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed, rate)
+    cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed, rate, output_len)
     calls0 = call_snapshot(fe)
     cpu0 = cpu_seconds(fe.api_pid)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
@@ -280,7 +282,7 @@ def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency:
     if out.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm-rs bench serve failed ({out.returncode}) on {fe.name}:\n"
                            f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}\nserver log:\n{tail(fe.log_path)}")
-    m = measurements(json.loads(result.read_text()), cpu, num_prompts)
+    m = measurements(json.loads(result.read_text()), cpu, num_prompts, output_len)
     if calls0 is not None:
         m["calls"] = call_times_of(calls0, call_snapshot(fe, fresh=True), num_prompts)
     return m
@@ -334,24 +336,25 @@ def output_queue_of(counts: list[float] | None, num_prompts: int) -> dict[str, f
             "reqs_per_catch_up": num_prompts / caught_up if caught_up else float(num_prompts)}
 
 
-def measurements(res: dict[str, Any], cpu: float, num_prompts: int) -> dict[str, float]:
+def measurements(res: dict[str, Any], cpu: float, num_prompts: int,
+                 output_len: int = OUTPUT_LEN) -> dict[str, float]:
     """The columns of one run, from vllm-bench's result JSON.
 
     Output tokens are the engine's, not the client's count: the client counts what it can
     see in the streamed text (random token ids include special tokens, which are not
     shown), while the mock engine emits exactly max_tokens per request and a request
-    completes only after its last one, so tokens = 256 x completed requests."""
+    completes only after its last one, so tokens = output_len x completed requests."""
     completed = res["completed"]
     if completed != num_prompts or res.get("failed", 0):
         raise RuntimeError(f"{completed} of {num_prompts} requests completed: {res.get('errors')}")
     ss = res.get("steady_state") or {}
     req_s = ss.get("request_throughput") or res["request_throughput"]
     return {
-        "req_s": req_s, "tok_s": req_s * OUTPUT_LEN,
+        "req_s": req_s, "tok_s": req_s * output_len,
         "ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
         "itl_p50": res["median_itl_ms"], "itl_p99": res["p99_itl_ms"],
         "tpot_p50": res["median_tpot_ms"], "e2el_p50": res["median_e2el_ms"],
-        "cpu_per_1k": cpu / (num_prompts * OUTPUT_LEN / 1000),
+        "cpu_per_1k": cpu / (num_prompts * output_len / 1000),
         "events_per_req": events_per_request(res),
         "steady": 1.0 if ss else 0.0,
     }
@@ -418,7 +421,8 @@ def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
     runs: dict[RowKey, list[dict[str, float]]] = {}
     for rep in range(args.repeat):
         for name, endpoint, conc, rate, n in load_points(args, list(fes), rep):
-            m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep, rate=rate)
+            m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep, rate=rate,
+                         output_len=args.output_len)
             m["repeat"] = rep
             runs.setdefault((name, endpoint, conc, rate), []).append(m)
             calls = m.get("calls")
@@ -530,6 +534,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts-factor", type=float, default=4.0,
                     help="requests per run = concurrency x this (closed loop); at 1.5 a run "
                          "was 2-3 s of ramp-up and its req/s bimodal")
+    ap.add_argument("--output-len", type=int, default=OUTPUT_LEN,
+                    help="output tokens per request (at 1, a request is about one engine message: "
+                         "what it costs the API server apart from its messages)")
     ap.add_argument("--min-prompts", type=int, default=256,
                     help="requests per closed-loop run at least (low concurrency)")
     ap.add_argument("--mock-engine", type=pathlib.Path,
@@ -554,6 +561,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.endpoints = args.endpoints.split(",")
     args.off_endpoints = args.off_endpoints.split(",")
     args.configs = args.configs.split(",")
+    if args.output_len < 1:
+        ap.error("--output-len must be at least 1")
     for e in args.endpoints:
         if e not in ENDPOINT_BACKEND:
             ap.error(f"unknown endpoint {e}")
@@ -581,7 +590,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"bench-serve: Python front ends on vLLM {vllm_version} ({sys.executable}); "
           f"configs {','.join(args.configs)}; endpoints {','.join(args.endpoints)}; "
           f"concurrency {args.concurrency}; repeats {args.repeat}; "
-          f"{PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens; logs in {log_dir}", flush=True)
+          f"{PROMPT_LEN}-token prompts, {args.output_len} output tokens; logs in {log_dir}", flush=True)
     work = log_dir / "results"  # vllm-bench's result files, one per load run
     work.mkdir()
     with serving(args.configs, args.model, args.tools, log_dir, call_times=args.call_times) as fes:
@@ -594,6 +603,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows = summarize(measure(args, fes, args.model, work))
     for row in rows:
         row["vllm"] = vllm_version
+        row["output_len"] = args.output_len
     print_table(rows)
     print_call_times(rows)
     for row in rows:

@@ -51,6 +51,7 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
     for r in rows:
         assert (r["endpoint"], r["concurrency"], r["repeats"]) == ("chat", 8, 1)
         assert r["vllm"] == bench_serve.installed_vllm_version()  # the Python front ends' vLLM
+        assert r["output_len"] == 256
         assert r["req_s"] > 0 and r["req_s_min"] <= r["req_s"] <= r["req_s_max"]
         assert r["req_s_repeats"] == [r["req_s"]]  # one repeat: its value is the median
         # every request produced its 256 tokens: token rate is 256 x request rate
@@ -170,6 +171,27 @@ def test_closed_loop_runs_have_at_least_min_prompts() -> None:
     assert closed == {(8, 256), (32, 256), (128, 512)}
     quick = bench_serve.parse_args(["--quick"])
     assert {n for *_, rate, n in bench_serve.load_points(quick, quick.configs, 0) if rate is None} == {32}
+
+
+def test_output_len_reaches_the_load_and_the_columns() -> None:
+    """--output-len sets the load generator's output length and what the token columns
+    count: the mock engine emits exactly that many tokens per request."""
+    args = bench_serve.parse_args(["--output-len", "1"])
+    assert args.output_len == 1
+    assert bench_serve.parse_args([]).output_len == 256
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--output-len", "0"])
+    fe = bench_serve.Frontend("stock/on", 8000, pathlib.Path("log"), proc=None)  # type: ignore[arg-type]
+    cmd = bench_serve.bench_cmd(args.tools, fe, "m", "chat", 8, 16, pathlib.Path("r.json"), 0,
+                                output_len=1)
+    assert cmd[cmd.index("--random-output-len") + 1] == "1"
+    res = {"completed": 16, "request_throughput": 400.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 2.0,
+           "median_itl_ms": 0.0, "p99_itl_ms": 0.0, "median_tpot_ms": 0.0, "median_e2el_ms": 1.0,
+           "itls": [[]] * 16}
+    m = bench_serve.measurements(res, cpu=0.04, num_prompts=16, output_len=1)
+    assert m["tok_s"] == 400.0
+    assert m["cpu_per_1k"] == pytest.approx(2.5)  # 0.04 s over 16 requests of 1 token
+    assert bench_serve.measurements(res, cpu=0.04, num_prompts=16)["tok_s"] == 400.0 * 256
 
 
 def test_profile_splits_samples_by_thread() -> None:
