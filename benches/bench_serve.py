@@ -11,8 +11,7 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (--output-len; ignore_eos: the mock engine stops by length),
-closed loop
-at each concurrency with 4 x concurrency requests (--prompts-factor), and at least 256
+closed loop at each concurrency with 4 x concurrency requests (--prompts-factor), and at least 256
 (--min-prompts: at concurrency 8, 32 requests took the plugin about 0.3 s). Repeats alternate the
 configurations (the order rotates every repeat), so load changes on a shared machine hit
 all of them. After the closed-loop rows of an endpoint, open-loop rows at each of --rates

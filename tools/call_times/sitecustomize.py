@@ -71,20 +71,17 @@ def _start() -> None:
         setattr(cls, method, counted)
 
     def run() -> None:
-        pending = list(_TARGETS)
-        queue_pending = True
+        # (module, class, method, how to wrap it), each wrapped once its class is loaded
+        pending = [(m, c, meth, functools.partial(wrap, name=name)) for m, c, meth, name in _TARGETS]
+        pending.append((*_QUEUE_TARGET, count_queue))
         path = os.path.join(_DIR, f"{os.getpid()}.json")
         while True:
             for t in list(pending):
-                cls = getattr(sys.modules.get(t[0]), t[1], None)
-                if isinstance(cls, type) and t[2] in cls.__dict__:
-                    wrap(cls, t[2], t[3])
+                module, cls_name, method, install = t
+                cls = getattr(sys.modules.get(module), cls_name, None)
+                if isinstance(cls, type) and method in cls.__dict__:
+                    install(cls, method)
                     pending.remove(t)
-            if queue_pending:
-                cls = getattr(sys.modules.get(_QUEUE_TARGET[0]), _QUEUE_TARGET[1], None)
-                if isinstance(cls, type) and _QUEUE_TARGET[2] in cls.__dict__:
-                    count_queue(cls, _QUEUE_TARGET[2])
-                    queue_pending = False
             cpu = os.times()
             calls = {k: list(v) for k, v in list(acc.items())}  # list(): one step under the GIL
             tmp = path + ".tmp"
