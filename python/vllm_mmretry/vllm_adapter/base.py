@@ -282,6 +282,21 @@ class ReceiveSeam:
 
 
 @dataclass(frozen=True)
+class HandlerSeam:
+    """Where AsyncLLM starts its output handler (catchup.py).
+
+    `owner.method(engine)` starts the engine's one output handler; `why_not(engine)`
+    says why that engine's handler must be vLLM's own (None: it need not be), and
+    `start(engine)` starts the adapter's handler, which records statistics once per
+    catch-up, and returns what it counts with (`records`, `messages`)."""
+
+    owner: type[Any]  # AsyncLLM
+    method: str  # _run_output_handler
+    why_not: Callable[[Any], str | None]
+    start: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
 class OutputsWire:
     """What `_core.OutputsReader` needs to read this vLLM's engine-output messages
     (rust/src/wire.rs): the two msgspec classes, where `outputs` sits among the
@@ -494,6 +509,10 @@ class VllmAdapter(abc.ABC):
     @abc.abstractmethod
     def receive_seam(self) -> ReceiveSeam | str:
         """The seam, or why this vLLM's output task is not the one receive.py knows."""
+
+    @abc.abstractmethod
+    def output_handler_seam(self) -> HandlerSeam | str:
+        """The seam, or why this vLLM's output handler is not the one catchup.py knows."""
 
     @abc.abstractmethod
     def outputs_wire(self) -> OutputsWire | str:

@@ -10,7 +10,7 @@ import functools
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.logger import init_logger
 from vllm.outputs import (
@@ -45,6 +45,7 @@ from vllm_mmretry.vllm_adapter.base import (
     CoreSpec,
     EcoFields,
     FastSpec,
+    HandlerSeam,
     MergeFields,
     NativeDetokSpec,
     ObjectFields,
@@ -1029,6 +1030,48 @@ class Adapter(VllmAdapter):
 
     def outputs_wire(self) -> OutputsWire | str:
         return outputs_wire()
+
+    # --- the output handler (catchup.py) --------------------------------------
+    # Source digests of the vLLM code the adapter's handler was written against
+    # (vllm_adapter/output_handler.py: `digest_targets`, `source_digest`).
+    HANDLER_DIGESTS: ClassVar[dict[str, str]] = {
+        "AsyncLLM._run_output_handler": "5111696248ec17f0",
+        "AsyncMPClient.get_output_async": "17302acc314b2300",
+        "StatLoggerManager.record": "fdb104e1ff79e573",
+        "PerEngineStatLoggerAdapter.record": "b9b767450d04452c",
+        "LoggingStatLogger.record": "0f2b51aa75e8d3da",
+        "LoggingStatLogger._track_iteration_stats": "10b9bfeb4cd25e11",
+        "AggregatedLoggingStatLogger.record": "865d1fe0793ca4f0",
+        "PrometheusStatLogger.record": "a506cbde79285412",
+        "IterationStats": "4caffb1b08908232",
+        "PromptTokenStats": "5598f78519189eb1",
+        "BaseRenderer.stat_mm_cache": "ef5c52ca1179e880",
+    }
+
+    def handler_steps(self) -> Any:
+        from vllm_mmretry.vllm_adapter import output_handler
+
+        return output_handler.STEPS_0_32
+
+    def output_handler_seam(self) -> HandlerSeam | str:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from vllm_mmretry.vllm_adapter import output_handler
+
+        # vLLM's own handler, even where install() has already wrapped it.
+        targets = {**output_handler.digest_targets(),
+                   "AsyncLLM._run_output_handler": _patching.original(AsyncLLM, "_run_output_handler")}
+        changed = output_handler.changed_sources(self.HANDLER_DIGESTS, targets)
+        if changed:
+            return f"vLLM's {', '.join(changed)} differ from what the handler was written against"
+        steps = self.handler_steps()
+
+        def start(engine: Any) -> Any:
+            catch_up = output_handler.CatchUp(engine.logger_manager, engine.renderer)
+            output_handler.run_output_handler(engine, catch_up, steps)
+            return catch_up
+
+        return HandlerSeam(AsyncLLM, "_run_output_handler", output_handler.handler_why_not, start)
 
     # --- fault switch -------------------------------------------------------
     def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]:

@@ -1,0 +1,357 @@
+"""The adapter's output handler (catchup.py: statistics recorded once per catch-up)
+against vLLM's own `AsyncLLM._run_output_handler`.
+
+Both run on a real AsyncLLM's parts: vLLM's AsyncMPClient (its output queue, its
+`get_output_async`, and its `abort_requests_async` sending on a real zmq socket), this
+package's output processor with vLLM's collectors, vLLM's StatLoggerManager with its
+default loggers for two engines, and the tiny model's renderer with its real P0
+multimodal cache. The engine's messages (hypothesis-generated: outputs with events,
+prefill statistics, stop strings, finishes and misses, scheduler statistics, messages
+bigger than a chunk, two engines) arrive in bursts; after each burst, once the handler
+waits for the next message, both sides must hold the same: every collector's output,
+the aborts sent to the engine, every sample of every Prometheus metric the logger
+holds, and the whole state of vLLM's logging stat loggers. The frontend clock is
+injected (both sides read it once per message with outputs)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from output_processor_support import Side
+from test_differential_stats import FINISHES, _build, _events, _prefill, _specs, outputs_form
+from vllm.v1.engine import EngineCoreOutputs, FinishReason
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import AsyncMPClient, BackgroundResources
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics import stats as vllm_stats
+from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter, PrometheusStatLogger, StatLoggerManager
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.serial_utils import MsgpackEncoder
+
+from vllm_mmretry import _patching, prom
+from vllm_mmretry.output_processor import OutputProcessor
+from vllm_mmretry.vllm_adapter import adapter
+from vllm_mmretry.vllm_adapter import output_handler as handler_module
+
+TEXT = "The quick brown fox jumps over the lazy dog.\nA cab of zzz, the end."
+CHUNK = 4  # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE here: messages above it are chunked
+_addresses = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def text_tokens(tiny_tokenizer: Any) -> list[int]:
+    return tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def renderers(vllm_config: Any) -> list[Any]:
+    """One renderer per side (each has its own multimodal cache statistics)."""
+    from vllm.renderers import renderer_from_config
+
+    return [renderer_from_config(vllm_config) for _ in range(2)]
+
+
+class Clock:
+    """`time` for vLLM's stats module and the handler: `time()` counts up."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        self.now += 0.25
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def stock_start() -> Any:
+    return _patching.original(AsyncLLM, "_run_output_handler")
+
+
+def ours_start(engine: Any) -> Any:
+    """The adapter's handler; returns its CatchUp."""
+    seam = adapter().output_handler_seam()
+    assert not isinstance(seam, str), seam
+    assert seam.why_not(engine) is None
+    return seam.start(engine)
+
+
+class _AsyncLLM(AsyncLLM):
+    """vLLM's AsyncLLM, without the shutdown at collection (it has no engine here)."""
+
+    def __del__(self) -> None:
+        pass
+
+
+class Served:
+    """An AsyncLLM as its output handler sees it, with a real client and loggers."""
+
+    def __init__(self, tokenizer: Any, vllm_config: Any, renderer: Any) -> None:
+        self.ctx = zmq.asyncio.Context()
+        address = f"inproc://catchup-{next(_addresses)}"
+        self.engine_side = self.ctx.socket(zmq.PULL)
+        self.engine_side.bind(address)
+        client = object.__new__(AsyncMPClient)
+        client.resources = BackgroundResources(ctx=self.ctx)
+        client.resources.output_queue_task = asyncio.get_running_loop().create_future()
+        client.outputs_queue = asyncio.Queue()
+        client.input_socket = self.ctx.socket(zmq.PUSH)
+        client.input_socket.connect(address)
+        client.encoder = MsgpackEncoder()
+        client.core_engine = b"\x00\x00"
+        self.client = client
+        engine = object.__new__(_AsyncLLM)
+        engine.engine_core = client
+        engine.log_stats = True
+        engine.logger_manager = StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0, 1])
+        prom.speed_up([engine.logger_manager])  # what the plugin does to a served engine
+        renderer._mm_cache_stats = type(renderer._mm_cache_stats)()
+        engine.renderer = renderer
+        engine.output_handler = None
+        self.side = Side(OutputProcessor(tokenizer, log_stats=True), async_mode=True)
+        engine.output_processor = self.side.op
+        self.engine = engine
+        self.seen: list[Any] = []
+
+    async def settle(self) -> None:
+        """Until the handler waits on an empty queue (or has ended)."""
+        queue, task = self.client.outputs_queue, self.engine.output_handler
+        for _ in range(10_000):
+            if task.done() or (queue.empty() and any(not f.done() for f in queue._getters)):
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("the handler never caught up")
+
+    def aborts(self) -> list[list[bytes]]:
+        sent = []
+        while True:
+            try:
+                sent.append([bytes(f) for f in self.engine_side.recv_multipart(flags=zmq.NOBLOCK)])
+            except zmq.Again:
+                return sent
+
+    async def observe(self) -> None:
+        """What any other task could see of the statistics whenever it runs: each
+        distinct state, in order (the handler yields between the chunks of a big
+        message, and when it waits)."""
+        while True:
+            state = (prometheus_form(self.engine.logger_manager), logging_form(self.engine.logger_manager))
+            if not self.seen or self.seen[-1] != state:
+                self.seen.append(state)
+            await asyncio.sleep(0)
+
+    def snapshot(self) -> dict[str, Any]:
+        drained = self.side.drain()
+        return {
+            "outputs": {k: outputs_form([v]) if not isinstance(v, Exception) else repr(v)
+                        for k, v in drained.items()},
+            "aborts": self.aborts(),
+            "prometheus": prometheus_form(self.engine.logger_manager),
+            "logging": logging_form(self.engine.logger_manager),
+        }
+
+    def close(self) -> None:
+        if self.engine.output_handler is not None:
+            self.engine.output_handler.cancel()
+        self.client.input_socket.close(linger=0)
+        self.engine_side.close(linger=0)
+        self.ctx.term()
+
+
+def prometheus_form(manager: Any) -> list[Any]:
+    out = []
+    for lg in manager.stat_loggers:
+        if isinstance(lg, PrometheusStatLogger):
+            for m in prom.metric_children(lg):
+                if not m._is_parent():
+                    out.append((m._name, m._labelvalues, prom.samples(m)))
+    return sorted(out, key=repr)
+
+
+def _form(obj: Any, depth: int = 0) -> Any:
+    """Every attribute, recursively (deques and lists as lists), by repr at the leaves."""
+    if depth > 4:
+        return repr(obj)
+    if isinstance(obj, list | tuple | deque):
+        return [_form(x, depth + 1) for x in obj]
+    if isinstance(obj, dict):
+        return sorted((repr(k), _form(v, depth + 1)) for k, v in obj.items())
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("vllm."):
+        return (type(obj).__name__, sorted((k, _form(v, depth + 1)) for k, v in vars(obj).items()
+                                           if k not in ("vllm_config", "last_log_time")))
+    return repr(obj)
+
+
+def logging_form(manager: Any) -> list[Any]:
+    return [_form(lg.per_engine_stat_loggers) for lg in manager.stat_loggers
+            if isinstance(lg, PerEngineStatLoggerAdapter)]
+
+
+# ------------------------------------------------------------------ generation
+
+
+def _plan(data: st.DataObject, live: list[str], prompt_len: dict[str, int],
+          tokens: list[int]) -> list[dict[str, Any]]:
+    """Bursts of engine messages; each burst arrives at once."""
+    cursor: dict[str, int] = {}
+    started: set[str] = set()
+    engine_ts = 5000.0
+    bursts = []
+    for _ in range(data.draw(st.integers(1, 5), label="bursts")):
+        burst = []
+        for _ in range(data.draw(st.integers(1, 8), label="messages")):
+            new_ts = engine_ts + data.draw(st.floats(0.001, 1.0))
+            outputs = []
+            for rid in [r for r in live if data.draw(st.sampled_from([True, True, False]))]:
+                first = rid not in started
+                at = cursor.setdefault(rid, data.draw(st.integers(0, len(tokens) - 1)))
+                k = data.draw(st.integers(0, 3))
+                cursor[rid] = at + k
+                step = {
+                    "tokens": [tokens[(at + j) % len(tokens)] for j in range(k)],
+                    "finish": data.draw(st.sampled_from(FINISHES)),
+                    "events": _events(data, first, engine_ts, new_ts),
+                    "prefill": _prefill(data, first, prompt_len[rid]),
+                    "nans": data.draw(st.sampled_from([0] * 8 + [1])),
+                    "miss": data.draw(st.sampled_from([None] * 12 + [["abc123"]])),
+                }
+                if step["finish"] not in (None, FinishReason.ABORT) and not step["tokens"]:
+                    step["tokens"] = [tokens[0]]
+                if step["miss"]:
+                    step["finish"] = FinishReason.ERROR
+                outputs.append((rid, step))
+                started.add(rid)
+            sched = None
+            if data.draw(st.integers(0, 3)) == 0:
+                sched = (data.draw(st.integers(0, 9)), data.draw(st.integers(0, 9)),
+                         data.draw(st.floats(0, 1)), data.draw(st.integers(0, 4)), data.draw(st.integers(0, 4)))
+            if not outputs and sched is None:
+                continue  # the output task queues no such message
+            burst.append({"engine": data.draw(st.sampled_from([0, 0, 0, 1])), "outputs": outputs,
+                          "sched": sched, "ts": new_ts})
+            engine_ts = new_ts
+        mm = data.draw(st.none() | st.tuples(st.integers(0, 3), st.integers(0, 3)))
+        bursts.append({"messages": burst, "mm": mm})
+    return bursts
+
+
+def _message(msg: dict[str, Any]) -> EngineCoreOutputs:
+    outputs = []
+    for rid, step in msg["outputs"]:
+        eco = _build(rid, step, None)
+        eco.mm_cache_miss_hashes = step["miss"]
+        outputs.append(eco)
+    sched = None
+    if msg["sched"] is not None:
+        running, waiting, usage, queries, hits = msg["sched"]
+        sched = SchedulerStats(num_running_reqs=running, num_waiting_reqs=waiting, kv_cache_usage=usage,
+                               prefix_cache_stats=PrefixCacheStats(requests=1, queries=queries + hits, hits=hits))
+    return EngineCoreOutputs(engine_index=msg["engine"], outputs=outputs, scheduler_stats=sched,
+                             timestamp=msg["ts"])
+
+
+async def run_side(start: Any, specs: list[Any], arrivals: list[float], plan: list[dict[str, Any]],
+                   dead: bool, tokenizer: Any, vllm_config: Any, renderer: Any) -> list[dict[str, Any]]:
+    clock = Clock()
+    saved = vllm_stats.time, handler_module.time
+    vllm_stats.time = handler_module.time = clock  # type: ignore[assignment]
+    served = Served(tokenizer, vllm_config, renderer)
+    try:
+        for spec, arrival in zip(specs, arrivals, strict=True):
+            served.side.add(spec, arrival=arrival)
+        start(served.engine)
+        observer = asyncio.create_task(served.observe())
+        snapshots = []
+        for i, burst in enumerate(plan):
+            if burst["mm"] is not None:
+                renderer._mm_cache_stats.record(*burst["mm"])
+            for msg in burst["messages"]:
+                served.client.outputs_queue.put_nowait(_message(msg))
+            if dead and i == len(plan) - 1:  # the engine dies right after its last messages
+                served.client.outputs_queue.put_nowait(EngineDeadError())
+            await served.settle()
+            snapshots.append(served.snapshot())
+        assert served.engine.output_handler.done() == dead
+        observer.cancel()
+        snapshots.append({"seen": served.seen})
+        return snapshots
+    finally:
+        served.close()
+        vllm_stats.time, handler_module.time = saved
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.envs as envs
+
+    monkeypatch.setenv("VLLM_V1_OUTPUT_PROC_CHUNK_SIZE", str(CHUNK))
+    if envs._is_envs_cache_enabled():
+        envs.__getattr__.cache_clear()
+    assert envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE == CHUNK
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_same_outputs_aborts_and_statistics_as_vllms_handler(
+        tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any], text_tokens: list[int],
+        small_chunks: None, data: st.DataObject) -> None:
+    specs = _specs(data, text_tokens)
+    arrivals = [1000.0 + data.draw(st.floats(0.0, 1.0)) for _ in specs]
+    probe = Side(OutputProcessor(tiny_tokenizer, log_stats=False), async_mode=True)
+    live = [cid for spec in specs for cid in probe.add(spec)]
+    prompt_len = {cid: len(spec.prompt_ids) for spec in specs for cid in probe.children[spec.request_id]}
+    plan = _plan(data, live, prompt_len, text_tokens)
+    dead = data.draw(st.booleans(), label="engine_dies")
+    want, got = (asyncio.run(run_side(start, specs, arrivals, plan, dead, tiny_tokenizer, vllm_config, r))
+                 for start, r in ((stock_start(), renderers[0]), (ours_start, renderers[1])))
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert b == a, f"after burst {i}"
+
+
+def test_a_catch_up_is_recorded_once(tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any],
+                                     text_tokens: list[int]) -> None:
+    """Forty messages waiting at once: one record for their iteration statistics
+    (and one per message with scheduler statistics), the token histogram still
+    observed once per message."""
+    async def run() -> tuple[Any, list[Any]]:
+        served = Served(tiny_tokenizer, vllm_config, renderers[1])
+        try:
+            specs = _specs_plain(text_tokens)
+            for spec in specs:
+                served.side.add(spec)
+            catch_up = ours_start(served.engine)
+            for i in range(40):
+                served.client.outputs_queue.put_nowait(_message({
+                    "engine": 0, "ts": 5000.0 + i, "sched": (1, 0, 0.5, 2, 1) if i % 10 == 0 else None,
+                    "outputs": [(s.request_id, {"tokens": [text_tokens[i % 5]], "finish": None, "events": None,
+                                                "prefill": None, "nans": 0, "miss": None}) for s in specs],
+                }))
+            await served.settle()
+            return catch_up, prometheus_form(served.engine.logger_manager)
+        finally:
+            served.close()
+
+    catch_up, samples = asyncio.run(run())
+    assert catch_up.messages == 40
+    assert catch_up.records == 1 + 4  # the iteration part once, scheduler parts per message
+    counts = {labels[1]: s[2] for name, labels, ss in samples if name == "vllm:iteration_tokens_total"
+              for s in ss if s[0] == "_count"}
+    assert counts == {"0": "40.0", "1": "0.0"}
+
+
+def _specs_plain(tokens: list[int]) -> list[Any]:
+    from output_processor_support import ReqSpec
+
+    return [ReqSpec(request_id=f"p{i}", external_id=f"p{i}", prompt_ids=tokens[:3]) for i in range(3)]
