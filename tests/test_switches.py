@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mmretry import output_processor, prom, receive, switches
+from vllm_mmretry import catchup, output_processor, prom, receive, switches
 
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", "No", " 0 ", "off\n"])
@@ -29,8 +29,10 @@ def test_the_package_switches_agree(monkeypatch: pytest.MonkeyPatch, value: str,
     monkeypatch.setenv(receive.DECODE_SWITCH, value)
     monkeypatch.setenv(output_processor.NATIVE_DETOK_ENV, value)
     monkeypatch.setenv(prom.ENV_SWITCH, value)
+    monkeypatch.setenv(catchup.ENV_SWITCH, value)
     assert receive.enabled() is on
     assert prom.enabled() is on
+    assert catchup.enabled() is on
     assert receive.native_decode_enabled() is on
     assert output_processor.native_detok_enabled() is on
     assert output_processor.native_detok_enabled(not on) is (not on)

@@ -21,10 +21,11 @@ _state: list[str] | None = None
 
 def _installers() -> list[tuple[str, Callable[[], list[str]]]]:
     # Imported here: each pulls in vLLM modules, which only a supported vLLM has.
-    from vllm_mmretry import faults, output_processor, receive, retry
+    from vllm_mmretry import catchup, faults, output_processor, receive, retry
 
     return [
         ("output processor", output_processor.install),
+        ("output handler", catchup.install),
         ("engine-output receive", receive.install),
         ("serving retry", retry.install),
         ("fault switch", faults.install),
