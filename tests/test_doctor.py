@@ -58,7 +58,7 @@ def test_tiny_model_text_report(tiny_model_path: str) -> None:
     assert lines[-1] == "vllm-mmretry doctor: all is well"
     by_name = {line.split()[2]: line for line in lines[:-1]}
     assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "native_decode", "native_metrics",
-                            "tokenizer", "mm_cache"}
+                            "catchup_records", "tokenizer", "mm_cache"}
     assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
     assert f"vLLM {installed_vllm_version()} is supported" in by_name["vllm"]
     assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
@@ -169,6 +169,22 @@ def test_native_decode_check_follows_its_switch(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setattr(type(vllm_adapter.get()), seam, lambda self, s=seam: f"a new {s}")
         check = doctor.check_native_decode()
         assert check.status == "warn" and f"a new {seam}" in check.summary
+
+
+def test_catchup_records_check_follows_its_switch_and_vllms_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmretry import catchup, doctor
+
+    monkeypatch.delenv(catchup.ENV_SWITCH, raising=False)
+    check = doctor.check_catchup_records()
+    assert check.status == "ok" and "once per catch-up" in check.summary
+    # A vLLM whose stat logger source is not the one the handler was written against.
+    kind = type(vllm_adapter.get())
+    monkeypatch.setattr(kind, "HANDLER_DIGESTS", {**kind.HANDLER_DIGESTS, "PrometheusStatLogger.record": "0" * 16})
+    check = doctor.check_catchup_records()
+    assert check.status == "warn" and "PrometheusStatLogger.record differ" in check.summary
+    monkeypatch.setenv(catchup.ENV_SWITCH, "0")
+    check = doctor.check_catchup_records()
+    assert check.status == "warn" and catchup.ENV_SWITCH in check.summary
 
 
 def test_native_metrics_check_follows_its_switch_and_self_check(monkeypatch: pytest.MonkeyPatch) -> None:

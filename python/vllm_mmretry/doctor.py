@@ -3,7 +3,8 @@
 Answers, for this environment and the given `vllm serve` arguments: is the installed
 vLLM supported; will vLLM load the plugin (entry point, VLLM_PLUGINS, VLLM_MMRETRY);
 does the native core match the installed package; will engine outputs be received
-ready-first and decoded natively (receive.py); does the model's tokenizer run
+ready-first and decoded natively (receive.py); are statistics recorded once
+per catch-up of the output handler (catchup.py); does the model's tokenizer run
 on the native detokenizer (and if not, why); which multimodal processor cache
 layout `vllm serve` would build, and whether P0/P1 drift can happen in it.
 
@@ -192,6 +193,22 @@ def check_native_metrics() -> Check:
                  "multiprocess)")
 
 
+def check_catchup_records() -> Check:
+    """Whether statistics are recorded once per catch-up of the output handler (catchup.py)."""
+    from vllm_mmretry import catchup
+
+    if not catchup.enabled():
+        return Check("catchup_records", WARN, f"{catchup.ENV_SWITCH}=0: statistics are recorded "
+                     "per engine-output message, as vLLM does (slower with statistics on)")
+    seam = _adapter_answer("catchup_records", lambda a: a.output_handler_seam(), "vLLM's output "
+                           "handler is not the one the plugin knows ({}): statistics are recorded "
+                           "per engine-output message, as vLLM does")
+    if isinstance(seam, Check):
+        return seam
+    return Check("catchup_records", OK, "statistics are recorded once per catch-up of the output "
+                 "handler where the stat loggers are vLLM's defaults (same metrics and log line)")
+
+
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
     if target is None:
         return Check("tokenizer", SKIP, "no model or folder given")
@@ -290,6 +307,7 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
     checks.append(check_receive())
     checks.append(check_native_decode())
     checks.append(check_native_metrics())
+    checks.append(check_catchup_records())
     args = None
     if target is not None:
         try:
