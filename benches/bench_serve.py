@@ -9,6 +9,8 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   stock/off, plugin/off   the same with --disable-log-stats (chat only by default, to keep
              the whole run under 15 minutes on 2 cores; --off-endpoints)
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
+  permsg/on  on request: the plugin with statistics recorded per engine-output message,
+             as vLLM does (VLLM_MMRETRY_CATCHUP_RECORDS=0): what the catch-up records give
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (--output-len; ignore_eos: the mock engine stops by length),
 closed loop at each concurrency with 4 x concurrency requests (--prompts-factor), and at least 256
@@ -69,7 +71,9 @@ PROMPT_LEN, OUTPUT_LEN = 32, 256
 PACED_CONCURRENCY = 256
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
-ALL_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off", "rust/off")
+ALL_CONFIGS = ("stock/on", "plugin/on", "permsg/on", "rust/on", "stock/off", "plugin/off", "rust/off")
+# Plugin configurations with one of its parts switched off (on request): what that part gives.
+PLUGIN_VARIANTS = {"permsg": {"VLLM_MMRETRY_CATCHUP_RECORDS": "0"}}
 DEFAULT_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off")
 
 
@@ -166,6 +170,7 @@ def launch_frontend(name: str, model: str, tools: Tools, log_dir: pathlib.Path,
         cmd = [str(tools.vllm_rs), "serve", model]
     else:
         env["VLLM_MMRETRY"] = "0" if kind == "stock" else "1"
+        env.update(PLUGIN_VARIANTS.get(kind, {}))
         cmd = [sys.executable, "-m", "vllm_mmretry.cli", "serve", model]
         if call_times:
             times_dir = log_dir / f"call-times-{port}"
@@ -218,6 +223,8 @@ def stop_proc(proc: subprocess.Popen | None) -> None:
 
 def plugin_state_line(kind: str, vllm_version: str | None) -> str | None:
     """What the plugin logs at start-up in a Python front end of this kind."""
+    if kind in PLUGIN_VARIANTS:
+        kind = "plugin"
     return {"plugin": f"vllm-mmretry active for vLLM {vllm_version}",
             "stock": "vllm-mmretry disabled by VLLM_MMRETRY=0"}.get(kind)
 
