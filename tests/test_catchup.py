@@ -3,15 +3,17 @@ against vLLM's own `AsyncLLM._run_output_handler`.
 
 Both run on a real AsyncLLM's parts: vLLM's AsyncMPClient (its output queue, its
 `get_output_async`, and its `abort_requests_async` sending on a real zmq socket), this
-package's output processor with vLLM's collectors, vLLM's StatLoggerManager with its
-default loggers for two engines, and the tiny model's renderer with its real P0
+package's output processor with vLLM's collectors (wired to drop missed items as the
+plugin wires it, or not, so that only the handler does), vLLM's StatLoggerManager with
+its default loggers for two engines, and the tiny model's renderer with its real P0
 multimodal cache. The engine's messages (hypothesis-generated: outputs with events,
 prefill statistics, stop strings, finishes and misses, scheduler statistics, messages
 bigger than a chunk, two engines) arrive in bursts; after each burst, once the handler
 waits for the next message, both sides must hold the same: every collector's output,
-the aborts sent to the engine, every sample of every Prometheus metric the logger
-holds, and the whole state of vLLM's logging stat loggers. The frontend clock is
-injected (both sides read it once per message with outputs)."""
+the aborts sent to the engine, whether P0's cache still serves the missed item, every
+sample of every Prometheus metric the logger holds, and the whole state of vLLM's
+logging stat loggers. The frontend clock is injected (both sides read it once per
+message with outputs)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from vllm_mmretry.vllm_adapter import output_handler as handler_module
 
 TEXT = "The quick brown fox jumps over the lazy dog.\nA cab of zzz, the end."
 CHUNK = 4  # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE here: messages above it are chunked
+MISSED = "abc123"  # the multimodal hash the engine reports missing
 _addresses = itertools.count()
 
 
@@ -96,7 +99,7 @@ class _AsyncLLM(AsyncLLM):
 class Served:
     """An AsyncLLM as its output handler sees it, with a real client and loggers."""
 
-    def __init__(self, tokenizer: Any, vllm_config: Any, renderer: Any) -> None:
+    def __init__(self, tokenizer: Any, vllm_config: Any, renderer: Any, wired: bool = True) -> None:
         self.ctx = zmq.asyncio.Context()
         address = f"inproc://catchup-{next(_addresses)}"
         self.engine_side = self.ctx.socket(zmq.PULL)
@@ -116,10 +119,13 @@ class Served:
         engine.logger_manager = StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0, 1])
         prom.speed_up([engine.logger_manager])  # what the plugin does to a served engine
         renderer._mm_cache_stats = type(renderer._mm_cache_stats)()
+        seed_missed_hash(renderer)
         engine.renderer = renderer
         engine.output_handler = None
         self.side = Side(OutputProcessor(tokenizer, log_stats=True), async_mode=True)
         engine.output_processor = self.side.op
+        if wired:  # as the plugin wires a served engine's output processor (it drops misses itself)
+            self.side.op.mm_processor_cache = adapter().engine_renderer(engine)
         self.engine = engine
         self.seen: list[Any] = []
 
@@ -156,6 +162,7 @@ class Served:
             "outputs": {k: outputs_form([v]) if not isinstance(v, Exception) else repr(v)
                         for k, v in drained.items()},
             "aborts": self.aborts(),
+            "p0_serves_missed": p0_serves(self.engine.renderer, MISSED),
             "prometheus": prometheus_form(self.engine.logger_manager),
             "logging": logging_form(self.engine.logger_manager),
         }
@@ -166,6 +173,23 @@ class Served:
         self.client.input_socket.close(linger=0)
         self.engine_side.close(linger=0)
         self.ctx.term()
+
+
+def seed_missed_hash(renderer: Any) -> None:
+    """P0's sender cache holds the item the engine will report missing, and no
+    invalidation is pending (so each side's handler must drop it itself)."""
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    renderer.mm_processor_cache.clear_cache()
+    renderer.mm_processor_cache.get_and_update_item((MultiModalKwargsItem.dummy(), []), MISSED)
+    if hasattr(renderer, "_pending_mm_cache_invalidations"):  # vLLM 0.33's queue
+        renderer._pending_mm_cache_invalidations.clear()
+
+
+def p0_serves(renderer: Any, mm_hash: str) -> bool:
+    """P0 would still send `mm_hash` by hash only at its next render."""
+    pending = getattr(renderer, "_pending_mm_cache_invalidations", set())
+    return bool(renderer.mm_processor_cache.is_cached_item(mm_hash)) and mm_hash not in pending
 
 
 def prometheus_form(manager: Any) -> list[Any]:
@@ -223,7 +247,7 @@ def _plan(data: st.DataObject, live: list[str], prompt_len: dict[str, int],
                     "events": _events(data, first, engine_ts, new_ts),
                     "prefill": _prefill(data, first, prompt_len[rid]),
                     "nans": data.draw(st.sampled_from([0] * 8 + [1])),
-                    "miss": data.draw(st.sampled_from([None] * 12 + [["abc123"]])),
+                    "miss": data.draw(st.sampled_from([None] * 12 + [[MISSED]])),
                 }
                 if step["finish"] not in (None, FinishReason.ABORT) and not step["tokens"]:
                     step["tokens"] = [tokens[0]]
@@ -261,11 +285,12 @@ def _message(msg: dict[str, Any]) -> EngineCoreOutputs:
 
 
 async def run_side(start: Any, specs: list[Any], arrivals: list[float], plan: list[dict[str, Any]],
-                   dead: bool, tokenizer: Any, vllm_config: Any, renderer: Any) -> list[dict[str, Any]]:
+                   dead: bool, wired: bool, tokenizer: Any, vllm_config: Any,
+                   renderer: Any) -> list[dict[str, Any]]:
     clock = Clock()
     saved = vllm_stats.time, handler_module.time
     vllm_stats.time = handler_module.time = clock  # type: ignore[assignment]
-    served = Served(tokenizer, vllm_config, renderer)
+    served = Served(tokenizer, vllm_config, renderer, wired)
     try:
         for spec, arrival in zip(specs, arrivals, strict=True):
             served.side.add(spec, arrival=arrival)
@@ -313,7 +338,9 @@ def test_same_outputs_aborts_and_statistics_as_vllms_handler(
     prompt_len = {cid: len(spec.prompt_ids) for spec in specs for cid in probe.children[spec.request_id]}
     plan = _plan(data, live, prompt_len, text_tokens)
     dead = data.draw(st.booleans(), label="engine_dies")
-    want, got = (asyncio.run(run_side(start, specs, arrivals, plan, dead, tiny_tokenizer, vllm_config, r))
+    # Unwired, only the handlers drop missed items from P0 (on 0.33: before process_outputs).
+    wired = data.draw(st.booleans(), label="output_processor_drops_misses")
+    want, got = (asyncio.run(run_side(start, specs, arrivals, plan, dead, wired, tiny_tokenizer, vllm_config, r))
                  for start, r in ((stock_start(), renderers[0]), (ours_start, renderers[1])))
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
