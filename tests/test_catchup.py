@@ -29,7 +29,7 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from output_processor_support import Side
-from test_differential_stats import FINISHES, _build, _events, _prefill, _specs, outputs_form
+from test_differential_stats import TextWalk, _build, _specs, outputs_form
 from vllm.v1.engine import EngineCoreOutputs, FinishReason
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import AsyncMPClient, BackgroundResources
@@ -227,8 +227,7 @@ def logging_form(manager: Any) -> list[Any]:
 def _plan(data: st.DataObject, live: list[str], prompt_len: dict[str, int],
           tokens: list[int]) -> list[dict[str, Any]]:
     """Bursts of engine messages; each burst arrives at once."""
-    cursor: dict[str, int] = {}
-    started: set[str] = set()
+    walk = TextWalk(tokens, prompt_len)
     engine_ts = 5000.0
     bursts = []
     for _ in range(data.draw(st.integers(1, 5), label="bursts")):
@@ -237,24 +236,11 @@ def _plan(data: st.DataObject, live: list[str], prompt_len: dict[str, int],
             new_ts = engine_ts + data.draw(st.floats(0.001, 1.0))
             outputs = []
             for rid in [r for r in live if data.draw(st.sampled_from([True, True, False]))]:
-                first = rid not in started
-                at = cursor.setdefault(rid, data.draw(st.integers(0, len(tokens) - 1)))
-                k = data.draw(st.integers(0, 3))
-                cursor[rid] = at + k
-                step = {
-                    "tokens": [tokens[(at + j) % len(tokens)] for j in range(k)],
-                    "finish": data.draw(st.sampled_from(FINISHES)),
-                    "events": _events(data, first, engine_ts, new_ts),
-                    "prefill": _prefill(data, first, prompt_len[rid]),
-                    "nans": data.draw(st.sampled_from([0] * 8 + [1])),
-                    "miss": data.draw(st.sampled_from([None] * 12 + [[MISSED]])),
-                }
-                if step["finish"] not in (None, FinishReason.ABORT) and not step["tokens"]:
-                    step["tokens"] = [tokens[0]]
+                step = walk.step(data, rid, engine_ts, new_ts, 3, st.sampled_from([0] * 8 + [1]))
+                step["miss"] = data.draw(st.sampled_from([None] * 12 + [[MISSED]]))
                 if step["miss"]:
                     step["finish"] = FinishReason.ERROR
                 outputs.append((rid, step))
-                started.add(rid)
             sched = None
             if data.draw(st.integers(0, 3)) == 0:
                 sched = (data.draw(st.integers(0, 9)), data.draw(st.integers(0, 9)),

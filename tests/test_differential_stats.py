@@ -134,6 +134,37 @@ def _prefill(data: st.DataObject, first: bool, prompt_len: int) -> tuple[int, in
     return prompt_len, local, external, data.draw(st.integers(0, prompt_len + 2))
 
 
+class TextWalk:
+    """Where each request is in the text its outputs walk through (so stop strings
+    match), and which requests are past their first output (prefill)."""
+
+    def __init__(self, tokens: list[int], prompt_len: dict[str, int]) -> None:
+        self.tokens, self.prompt_len = tokens, prompt_len
+        self.at: dict[str, int] = {}
+        self.started: set[str] = set()
+
+    def step(self, data: st.DataObject, rid: str, lo: float, hi: float, max_new: int,
+             nans: st.SearchStrategy[Any]) -> dict[str, Any]:
+        """`rid`'s output in one engine step stamped between `lo` and `hi`: its next 0 to
+        `max_new` tokens of the text (from a random start), a finish (with a token unless
+        aborted), events, prefill statistics on its first output, a NaN count from `nans`."""
+        first = rid not in self.started
+        self.started.add(rid)
+        at = self.at.setdefault(rid, data.draw(st.integers(0, len(self.tokens) - 1)))
+        k = data.draw(st.integers(0, max_new))
+        self.at[rid] = at + k
+        step = {
+            "tokens": [self.tokens[(at + j) % len(self.tokens)] for j in range(k)],
+            "finish": data.draw(st.sampled_from(FINISHES)),
+            "events": _events(data, first, lo, hi),
+            "prefill": _prefill(data, first, self.prompt_len[rid]),
+            "nans": data.draw(nans),
+        }
+        if step["finish"] not in (None, FinishReason.ABORT) and not step["tokens"]:
+            step["tokens"] = [self.tokens[0]]
+        return step
+
+
 def _build(rid: str, step: dict[str, Any], logprobs: int | None) -> Any:
     """A fresh EngineCoreOutput for one side (the processors may mutate them)."""
     kw: dict[str, Any] = {"num_nans_in_logits": step["nans"]}
@@ -195,8 +226,7 @@ def test_same_stats_as_stock(
         prompt_len.update(dict.fromkeys(ids, len(spec.prompt_ids)))
     parents = [s.request_id for s in specs if s.n > 1]
     externals = sorted({s.external_id for s in specs})
-    started: set[str] = set()  # requests past their first output (prefill)
-    cursor: dict[str, int] = {}
+    walk = TextWalk(text_tokens, prompt_len)
 
     def compare_live() -> None:
         assert request_stats_form(ours.op) == request_stats_form(stock.op)
@@ -224,22 +254,9 @@ def test_same_stats_as_stock(
             new_engine = int(new_engine) + 1
         plan: list[tuple[str, dict[str, Any]]] = []
         for rid in [r for r in live if data.draw(st.sampled_from([True, True, False]))]:
-            first = rid not in started
-            # Next tokens of the text (stop strings match), from a random start.
-            at = cursor.setdefault(rid, data.draw(st.integers(0, len(text_tokens) - 1)))
-            k = data.draw(st.integers(0, 4))
-            cursor[rid] = at + k
-            step = {
-                "tokens": [text_tokens[(at + j) % len(text_tokens)] for j in range(k)],
-                "finish": data.draw(st.sampled_from(FINISHES)),
-                "events": _events(data, first, engine, new_engine),
-                "prefill": _prefill(data, first, prompt_len[rid]),
-                # np.int64(0): a NaN count of another type than the engine's int.
-                "nans": data.draw(st.sampled_from([0] * 6 + [np.int64(0), 1, 7])),
-            }
-            if step["finish"] not in (None, FinishReason.ABORT) and not step["tokens"]:
-                step["tokens"] = [text_tokens[0]]
-            plan.append((rid, step))
+            # np.int64(0): a NaN count of another type than the engine's int.
+            nans = st.sampled_from([0] * 6 + [np.int64(0), 1, 7])
+            plan.append((rid, walk.step(data, rid, engine, new_engine, 4, nans)))
         if data.draw(st.integers(0, 4)) == 4:  # an output for a request no longer tracked
             plan.append(
                 ("gone", {"tokens": [text_tokens[0]], "finish": None, "events": None, "prefill": None, "nans": 1})
@@ -256,7 +273,6 @@ def test_same_stats_as_stock(
         assert outs_b == outs_a
         assert aborts_b == aborts_a
         assert its_b == its_a
-        started |= {r for r, _ in plan}
         done = set(aborts_a) | {r for r, s in plan if s["finish"] is not None}
         live = [x for x in live if x not in done]
         compare_live()
