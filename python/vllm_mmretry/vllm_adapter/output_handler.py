@@ -31,7 +31,7 @@ import asyncio
 import hashlib
 import inspect
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,9 +212,9 @@ class SliceSteps:
 
 
 def run_output_handler(engine: Any, catch_up: CatchUp, steps: SliceSteps) -> None:
-    """`AsyncLLM._run_output_handler`, recording statistics through `catch_up`."""
-    if engine.output_handler is not None:
-        return
+    """`AsyncLLM._run_output_handler`, recording statistics through `catch_up`, laid out
+    as vLLM's is (the task's coroutine holds the engine's parts, never the engine).
+    catchup.py calls it only while the engine has no handler."""
     engine_core = engine.engine_core
     output_processor = engine.output_processor
     log_stats = engine.log_stats
@@ -224,14 +224,7 @@ def run_output_handler(engine: Any, catch_up: CatchUp, steps: SliceSteps) -> Non
     mm_processor_cache = renderer.mm_processor_cache
     chunk_size = envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
     outputs_queue = engine_core.outputs_queue
-    engine.output_handler = asyncio.create_task(_output_handler(
-        engine_core, output_processor, log_stats, logger_ref, renderer, mm_processor_cache,
-        chunk_size, outputs_queue, catch_up, steps))
 
-
-def _output_handler(engine_core: Any, output_processor: Any, log_stats: bool, logger_ref: list[Any],
-                    renderer: Any, mm_processor_cache: Any, chunk_size: int, outputs_queue: Any,
-                    catch_up: CatchUp, steps: SliceSteps) -> Coroutine[Any, Any, None]:
     async def output_handler() -> None:
         try:
             while True:
@@ -291,21 +284,7 @@ def _output_handler(engine_core: Any, output_processor: Any, log_stats: bool, lo
             vllm_async_llm_logger.exception("AsyncLLM output_handler failed.")
             output_processor.propagate_error(e)
 
-    return output_handler()
-
-
-# ------------------------------------------------------------- 0.32's slice steps
-
-def invalidate_missed(renderer: Any, mm_processor_cache: Any, outputs_slice: Any) -> None:
-    """vLLM 0.32, after process_outputs: drop the slice's missed hashes from P0's cache."""
-    if mm_processor_cache is not None:
-        for eco in outputs_slice:
-            if eco.mm_cache_miss_hashes:
-                for mm_hash in eco.mm_cache_miss_hashes:
-                    mm_processor_cache.invalidate(mm_hash)
-
-
-STEPS_0_32 = SliceSteps(before=None, after=invalidate_missed)
+    engine.output_handler = asyncio.create_task(output_handler())
 
 
 def handler_why_not(engine: Any) -> str | None:

@@ -806,6 +806,16 @@ class _SkipMMCacheIO:
 
 # ------------------------------------------------------------------- the adapter
 
+def _invalidate_missed(renderer: Any, mm_processor_cache: Any, outputs_slice: Any) -> None:
+    """vLLM 0.32's output handler, after process_outputs: the slice's missed hashes are
+    dropped from P0's cache (the plugin's output processor has already consumed them)."""
+    if mm_processor_cache is not None:
+        for eco in outputs_slice:
+            if eco.mm_cache_miss_hashes:
+                for mm_hash in eco.mm_cache_miss_hashes:
+                    mm_processor_cache.invalidate(mm_hash)
+
+
 class Adapter(VllmAdapter):
     """vLLM 0.32.x."""
 
@@ -1051,7 +1061,7 @@ class Adapter(VllmAdapter):
     def handler_steps(self) -> Any:
         from vllm_mmretry.vllm_adapter import output_handler
 
-        return output_handler.STEPS_0_32
+        return output_handler.SliceSteps(before=None, after=_invalidate_missed)
 
     def output_handler_seam(self) -> HandlerSeam | str:
         from vllm.v1.engine.async_llm import AsyncLLM
