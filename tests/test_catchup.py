@@ -5,7 +5,7 @@ Both run on a real AsyncLLM's parts: vLLM's AsyncMPClient (its output queue, its
 `get_output_async`, and its `abort_requests_async` sending on a real zmq socket), this
 package's output processor with vLLM's collectors (wired to drop missed items as the
 plugin wires it, or not, so that only the handler does), vLLM's StatLoggerManager with
-its default loggers for two engines, and the tiny model's renderer with its real P0
+its default loggers for two engines (the logging ones included), and the tiny model's renderer with its real P0
 multimodal cache. The engine's messages (hypothesis-generated: outputs with events,
 prefill statistics, stop strings, finishes and misses, scheduler statistics, messages
 bigger than a chunk, two engines) arrive in bursts; after each burst, once the handler
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from typing import Any
@@ -116,7 +117,7 @@ class Served:
         engine = object.__new__(_AsyncLLM)
         engine.engine_core = client
         engine.log_stats = True
-        engine.logger_manager = StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0, 1])
+        engine.logger_manager = default_stat_loggers(vllm_config)
         prom.speed_up([engine.logger_manager])  # what the plugin does to a served engine
         renderer._mm_cache_stats = type(renderer._mm_cache_stats)()
         seed_missed_hash(renderer)
@@ -173,6 +174,21 @@ class Served:
         self.client.input_socket.close(linger=0)
         self.engine_side.close(linger=0)
         self.ctx.term()
+
+
+def default_stat_loggers(vllm_config: Any) -> StatLoggerManager:
+    """vLLM's default stat loggers for engines 0 and 1, the logging ones included: vLLM
+    adds those only where its logger would print INFO, which under pytest it would not."""
+    from vllm.v1.metrics import loggers
+
+    level = loggers.logger.level
+    loggers.logger.setLevel(logging.INFO)
+    try:
+        manager = StatLoggerManager(vllm_config=vllm_config, engine_idxs=[0, 1])
+    finally:
+        loggers.logger.setLevel(level)
+    assert logging_form(manager), "no logging stat loggers"
+    return manager
 
 
 def seed_missed_hash(renderer: Any) -> None:
