@@ -1,19 +1,20 @@
-"""The adapter's output handler (catchup.py: statistics recorded once per catch-up)
-against vLLM's own `AsyncLLM._run_output_handler`.
+"""vLLM's `AsyncLLM._run_output_handler` with the catch-up hooks (catchup.py: statistics
+recorded once per catch-up) against the same handler without them.
 
 Both run on a real AsyncLLM's parts: vLLM's AsyncMPClient (its output queue, its
 `get_output_async`, and its `abort_requests_async` sending on a real zmq socket), this
 package's output processor with vLLM's collectors (wired to drop missed items as the
 plugin wires it, or not, so that only the handler does), vLLM's StatLoggerManager with
-its default loggers for two engines (the logging ones included), and the tiny model's renderer with its real P0
-multimodal cache. The engine's messages (hypothesis-generated: outputs with events,
-prefill statistics, stop strings, finishes and misses, scheduler statistics, messages
-bigger than a chunk, two engines) arrive in bursts; after each burst, once the handler
-waits for the next message, both sides must hold the same: every collector's output,
-the aborts sent to the engine, whether P0's cache still serves the missed item, every
-sample of every Prometheus metric the logger holds, and the whole state of vLLM's
-logging stat loggers. The frontend clock is injected (both sides read it once per
-message with outputs)."""
+its default loggers for two engines (the logging ones included), and the tiny model's
+renderer with its real P0 multimodal cache. The engine's messages (hypothesis-generated:
+outputs with events, prefill statistics, stop strings, finishes and misses, scheduler
+statistics, messages bigger than a chunk, two engines, and the renderer counting a
+multimodal request while a message is processed) arrive in bursts; after each burst,
+once the handler waits for the next message, both sides must hold the same: every
+collector's output, the aborts sent to the engine, whether P0's cache still serves the
+missed item, every sample of every Prometheus metric the logger holds, and the whole
+state of vLLM's logging stat loggers. The frontend clock is injected (both sides read it
+once per message with outputs)."""
 
 from __future__ import annotations
 
@@ -263,12 +264,31 @@ def _plan(data: st.DataObject, live: list[str], prompt_len: dict[str, int],
                          data.draw(st.floats(0, 1)), data.draw(st.integers(0, 4)), data.draw(st.integers(0, 4)))
             if not outputs and sched is None:
                 continue  # the output task queues no such message
+            # a multimodal request rendered while the handler works on this message
+            render = data.draw(st.sampled_from([None] * 6 + [(1, 0), (2, 1)])) if outputs else None
             burst.append({"engine": data.draw(st.sampled_from([0, 0, 0, 1])), "outputs": outputs,
-                          "sched": sched, "ts": new_ts})
+                          "sched": sched, "ts": new_ts, "render": render})
             engine_ts = new_ts
         mm = data.draw(st.none() | st.tuples(st.integers(0, 3), st.integers(0, 3)))
         bursts.append({"messages": burst, "mm": mm})
     return bursts
+
+
+def render_during(served: Served, renderer: Any, plan: list[dict[str, Any]]) -> None:
+    """The renderer counts a multimodal request while the handler processes a message
+    that says so (the first slice of it): what a renderer thread may do meanwhile."""
+    renders = {msg["ts"]: msg["render"] for burst in plan for msg in burst["messages"] if msg.get("render")}
+    op = served.engine.output_processor
+    process = op.process_outputs
+
+    def process_outputs(outputs: Any, timestamp: float | None = None, *args: Any, **kwargs: Any) -> Any:
+        out = process(outputs, timestamp, *args, **kwargs)
+        render = renders.pop(timestamp, None)
+        if render is not None:
+            renderer._mm_cache_stats.record(*render)
+        return out
+
+    op.process_outputs = process_outputs
 
 
 def _message(msg: dict[str, Any]) -> EngineCoreOutputs:
@@ -296,6 +316,7 @@ async def run_side(start: Any, specs: list[Any], arrivals: list[float], plan: li
     try:
         for spec, arrival in zip(specs, arrivals, strict=True):
             served.side.add(spec, arrival=arrival)
+        render_during(served, renderer, plan)
         start(served.engine)
         observer = asyncio.create_task(served.observe())
         snapshots = []
@@ -378,6 +399,28 @@ def test_a_catch_up_is_recorded_once(tiny_tokenizer: Any, vllm_config: Any, rend
     counts = {labels[1]: s[2] for name, labels, ss in samples if name == "vllm:iteration_tokens_total"
               for s in ss if s[0] == "_count"}
     assert counts == {"0": "40.0", "1": "0.0"}
+
+
+def test_a_render_during_a_catch_up_is_observed_as_stock_observes_it(
+        tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any], text_tokens: list[int]) -> None:
+    """The renderer counts requests while the handler works through a catch-up (after
+    the first message took what it had counted before): each engine's logging logger
+    observes those statistics after the first message's, as in stock."""
+    specs = _specs_plain(text_tokens)
+
+    def msg(i: int, engine: int, render: tuple[int, int] | None) -> dict[str, Any]:
+        return {"engine": engine, "ts": 5000.0 + i, "sched": None, "render": render,
+                "outputs": [(s.request_id, {"tokens": [text_tokens[i]], "finish": None, "events": None,
+                                            "prefill": None, "nans": 0, "miss": None}) for s in specs]}
+
+    plan = [{"mm": (2, 1), "messages": [msg(0, 0, None), msg(1, 1, (1, 0)), msg(2, 0, (3, 2)), msg(3, 0, None)]}]
+    want, got = (asyncio.run(run_side(start, specs, [1000.0] * len(specs), plan, False, True,
+                                      tiny_tokenizer, vllm_config, r))
+                 for start, r in ((stock_start(), renderers[0]), (ours_start, renderers[1])))
+    assert got == want
+    engine0 = dict(want[0]["logging"][0])[repr(0)]
+    queue = dict(dict(engine0[1])["mm_caching_metrics"][1])["query_queue"]
+    assert queue == [["1", "2", "1"], ["1", "3", "2"]]  # the burst's, then the render's
 
 
 def _specs_plain(tokens: list[int]) -> list[Any]:

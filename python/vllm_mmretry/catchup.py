@@ -9,14 +9,14 @@ are the largest single item of its per-message work (README, "Per engine-output
 message"). Nothing else runs on the event loop until the handler has caught up, so
 no one can read the metrics in between.
 
-The adapter's handler (`vllm_adapter/output_handler.py`) is vLLM's, with the
-statistics of a catch-up recorded when it ends: one `record` per engine for the
-messages' iteration statistics together (Prometheus' per-iteration token histogram
-still gets one observation per message), scheduler statistics per message as in
-stock. It runs only where the adapter shows that this leaves the stat loggers what
-stock leaves: vLLM's default stat loggers and the vLLM sources it was written
-against; any other engine gets vLLM's own handler (one INFO line says why).
-VLLM_MMRETRY_CATCHUP_RECORDS=0 keeps vLLM's handler everywhere."""
+The handler stays vLLM's; the adapter (`vllm_adapter/output_handler.py`) hooks where it
+builds and records statistics, so that those of a catch-up are recorded when it ends:
+one `record` per engine for the messages' iteration statistics together (Prometheus'
+per-iteration token histogram still gets one observation per message), scheduler
+statistics per message as in stock. The hooks go in only where the adapter shows that
+this leaves the stat loggers what stock leaves: vLLM's default stat loggers and the
+vLLM sources they were written against; any other engine's handler is left as it is
+(one INFO line says why). VLLM_MMRETRY_CATCHUP_RECORDS=0 leaves every handler alone."""
 
 from __future__ import annotations
 
@@ -53,12 +53,15 @@ def install() -> list[str]:
         _log().warning("vllm-mmretry: statistics are recorded per engine-output message, as "
                        "vLLM does (%s)", seam)
         return []
+    from vllm_mmretry.vllm_adapter.output_handler import install_iteration_stats
+
     start = getattr(seam.owner, seam.method)
-    return [_patching.patch_attr(seam.owner, seam.method, _starting_handler(start, seam))]
+    return [_patching.patch_attr(seam.owner, seam.method, _starting_handler(start, seam)),
+            *install_iteration_stats()]
 
 
 def _starting_handler(start: Callable[[Any], None], seam: HandlerSeam) -> Any:
-    """vLLM's handler starter that starts the adapter's handler where it may."""
+    """vLLM's handler starter that hooks the handler for catch-up records where it may."""
     @functools.wraps(start)
     def run_output_handler(engine: Any) -> None:
         if engine.output_handler is not None:
@@ -76,5 +79,5 @@ def _starting_handler(start: Callable[[Any], None], seam: HandlerSeam) -> Any:
 
 
 def catch_up_of(engine: Any) -> Any:
-    """The engine's handler's `CatchUp` (None: vLLM's handler, or none started yet)."""
+    """The engine's handler's `CatchUp` (None: an unhooked handler, or none started yet)."""
     return _catch_ups.get(engine)

@@ -1,4 +1,4 @@
-"""AsyncLLM's output handler with the statistics of a catch-up recorded once (catchup.py).
+"""Statistics of a catch-up of AsyncLLM's output handler recorded once (catchup.py).
 
 vLLM's handler (`AsyncLLM._run_output_handler`) takes one engine-output message at a
 time from the engine client's queue and, with statistics on, builds an
@@ -8,36 +8,44 @@ ahead, the queue holds hundreds of messages and the handler works through all of
 without yielding to the event loop: nothing else runs until it catches up, so nothing
 can see the metrics between two of those messages.
 
-`run_output_handler` is vLLM's handler with the records of a catch-up made when it
-ends (before the handler waits for the next message, or yields between the chunks of
-a big message): the messages of one engine share one `IterationStats` (so its sums and
-lists are those of the messages' stats together), and `CatchUp.record` makes one
-`record` call per engine for them. That leaves the stat loggers what the per-message
-calls leave, because for vLLM's own loggers a record is sums, list observations and
-last values, with one exception: the Prometheus logger observes each iteration's token
-count (`vllm:iteration_tokens_total`), which `CatchUp` observes per message. Scheduler
-statistics (every message of a real engine) are recorded per message, as in stock,
-apart from the iteration part: for vLLM's loggers the two parts of `record` are
-independent. Everything else in the handler is vLLM's, line for line.
+`start_with_catch_up` starts vLLM's own handler and hooks it where it builds and
+records statistics, so that the records of a catch-up are made when it ends (before
+the handler waits for the next message, or before a message big enough to be chunked,
+between whose chunks the handler yields):
+- the client's `get_output_async` (this client only) ends a catch-up when the queue is
+  empty and notes which engine's message the handler took;
+- `IterationStats()` in vLLM's handler (async_llm's global, `iteration_stats`) gives
+  the messages of one engine in a catch-up one shared `IterationStats`, so its sums and
+  lists are those of the messages' stats together;
+- the handler's `logger_ref[0]` (`_Recorder`) hands each message's record to `CatchUp`,
+  which makes one `record` per engine when the catch-up ends.
+That leaves the stat loggers what the per-message calls leave, because for vLLM's own
+loggers a record is sums, list observations and last values, with one exception: the
+Prometheus logger observes each iteration's token count (`vllm:iteration_tokens_total`),
+which `CatchUp` observes per message. Scheduler statistics (every message of a real
+engine) are recorded per message, as in stock, apart from the iteration part: for
+vLLM's loggers the two parts of `record` are independent. Everything else the handler
+does (invalidating missed multimodal items, chunking, aborts, errors) is vLLM's code.
 
 Only where this is known to hold: the stat loggers are exactly vLLM's default classes,
 and the sources of vLLM's handler, its queue read, the loggers' `record` and the stats
 classes are the ones this module was written against (`digests`: the adapter of each
-version lists them). Otherwise vLLM's own handler runs (catchup.py says why)."""
+version lists them). Otherwise vLLM's handler runs unhooked (catchup.py says why)."""
 
 from __future__ import annotations
 
-import asyncio
+import contextvars
 import hashlib
 import inspect
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import vllm.envs as envs
+from vllm.v1.engine import async_llm
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.async_llm import logger as vllm_async_llm_logger
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.metrics.loggers import (
     AggregatedLoggingStatLogger,
@@ -48,11 +56,14 @@ from vllm.v1.metrics.loggers import (
 )
 from vllm.v1.metrics.stats import IterationStats, PromptTokenStats
 
+from vllm_mmretry import _patching
 
-# The vLLM code whose behaviour the handler and `CatchUp` rely on, by name (the
+
+# The vLLM code whose behaviour the hooks and `CatchUp` rely on, by name (the
 # adapter's `HANDLER_DIGESTS` holds each one's source digest for its vLLM).
 def digest_targets() -> dict[str, Any]:
     from vllm.renderers.base import BaseRenderer
+    from vllm.v1.metrics.stats import CachingMetrics
 
     return {
         "AsyncLLM._run_output_handler": AsyncLLM._run_output_handler,
@@ -66,6 +77,7 @@ def digest_targets() -> dict[str, Any]:
         "IterationStats": IterationStats,
         "PromptTokenStats": PromptTokenStats,
         "BaseRenderer.stat_mm_cache": BaseRenderer.stat_mm_cache,
+        "CachingMetrics.observe": CachingMetrics.observe,
     }
 
 
@@ -132,12 +144,13 @@ class _Pending:
 class CatchUp:
     """The records one catch-up's messages would each have made, made when it ends."""
 
-    def __init__(self, manager: Any, renderer: Any) -> None:
+    def __init__(self, manager: Any) -> None:
         self.manager = manager
-        self.renderer = renderer
         self._prometheus = [lg for lg in manager.stat_loggers if type(lg) is PrometheusStatLogger]
         self._pending: dict[int, _Pending] = {}
         self._mm_taken = False
+        self._later_mm: list[tuple[int, Any]] = []  # (engine, statistics) after the first
+        self._fresh: dict[type, Any] = {}  # one new statistics object per class
         self.records = 0  # record calls made (each stands for one or more messages')
         self.messages = 0  # messages whose statistics went through here
 
@@ -152,36 +165,60 @@ class CatchUp:
         pending.before = iteration_tokens(pending.stats)
         return pending.stats
 
-    def add(self, engine_idx: int, scheduler_stats: Any, iteration_stats: Any) -> None:
+    def holds(self, engine_idx: int, iteration_stats: Any) -> bool:
+        """`iteration_stats` is the one this catch-up shares for `engine_idx`."""
+        pending = self._pending.get(engine_idx)
+        return pending is not None and pending.stats is iteration_stats
+
+    def add(self, engine_idx: int, scheduler_stats: Any, iteration_stats: Any,
+            mm_cache_stats: Any) -> None:
         """In place of the handler's `record` call for one message."""
         self.messages += 1
+        mm_cache_stats = self._mm_cache_stats_of(engine_idx, mm_cache_stats)
         if scheduler_stats is not None:
-            self._record(engine_idx, scheduler_stats, None, self._take_mm_cache_stats())
+            self._record(engine_idx, scheduler_stats, None, mm_cache_stats)
+            mm_cache_stats = None
         if iteration_stats is not None:
             pending = self._pending[engine_idx]
             pending.values.append(iteration_tokens(iteration_stats) - pending.before)
             if pending.mm_cache_stats is None:
-                pending.mm_cache_stats = self._take_mm_cache_stats()
+                pending.mm_cache_stats = mm_cache_stats
         elif scheduler_stats is None:
-            self._record(engine_idx, None, None, self._take_mm_cache_stats())
+            self._record(engine_idx, None, None, mm_cache_stats)
 
     def record(self) -> None:
         """Record what this catch-up holds (nothing when it holds nothing)."""
         pending, self._pending = self._pending, {}
+        later, self._later_mm = self._later_mm, []
         self._mm_taken = False
         for engine_idx, p in pending.items():
             if p.values:
                 self._record(engine_idx, None, p.stats, p.mm_cache_stats, p.values)
             elif p.mm_cache_stats is not None:
                 self._record(engine_idx, None, None, p.mm_cache_stats)
+        for engine_idx, stats in later:
+            self._record(engine_idx, None, None, stats)
 
-    def _take_mm_cache_stats(self) -> Any:
-        # Stock hands the renderer's statistics to every record; all but the first
-        # of a catch-up are empty (nothing renders while the handler runs).
-        if self._mm_taken:
-            return None
-        self._mm_taken = True
-        return self.renderer.stat_mm_cache()
+    def _mm_cache_stats_of(self, engine_idx: int, stats: Any) -> Any:
+        """Where a message's multimodal-cache statistics go: the first message's (what the
+        renderer counted since the last catch-up) with the catch-up's records; a later
+        one's, empty unless something rendered during the catch-up, after them (so each
+        engine's loggers observe them in stock's order)."""
+        if not self._mm_taken:
+            self._mm_taken = True
+            return stats
+        if stats is not None and not self._is_fresh(stats):
+            self._later_mm.append((engine_idx, stats))
+        return None
+
+    def _is_fresh(self, stats: Any) -> bool:
+        # Statistics equal to new ones change no logger (CachingMetrics.observe skips
+        # them, the Prometheus counters add 0): stock records one per message.
+        fresh = self._fresh.get(type(stats))
+        if fresh is None:
+            fresh = self._fresh[type(stats)] = type(stats)()
+        equal: bool = stats == fresh
+        return equal
 
     def _record(self, engine_idx: int, scheduler_stats: Any, iteration_stats: Any,
                 mm_cache_stats: Any, values: list[int] | None = None) -> None:
@@ -199,92 +236,105 @@ class CatchUp:
                 lg.histogram_iteration_tokens = children
 
 
-@dataclass(frozen=True)
-class SliceSteps:
-    """What this vLLM's handler does around `process_outputs` for one slice of
-    outputs (0.32 and 0.33 differ there)."""
+class _Run:
+    """One handler's catch-up state: whether the message it works on has its
+    statistics recorded with the catch-up's (`coalesced`), and from which engine."""
 
-    # (renderer, P0 cache, slice) before process_outputs, and after it
-    before: Callable[[Any, Any, Any], None] | None
-    after: Callable[[Any, Any, Any], None] | None
-    # the exception handler's special case (0.33: a retired elastic-EP rank)
-    quiet_failure: Callable[[BaseException], bool] | None = None
+    __slots__ = ("catch_up", "chunk_size", "coalesced", "engine_idx", "logger_ref", "recorder")
+
+    def __init__(self, catch_up: CatchUp, logger_ref: list[Any], chunk_size: int) -> None:
+        self.catch_up = catch_up
+        self.logger_ref = logger_ref  # the handler's; elastic EP may put another manager in
+        self.chunk_size = chunk_size
+        self.coalesced = False
+        self.engine_idx = 0
+        self.recorder = _Recorder(self)
+
+    def took(self, outputs: Any) -> None:
+        """The handler took `outputs` from the queue."""
+        # A message with several chunks yields between them: stock's way.
+        self.coalesced = len(outputs.outputs) <= self.chunk_size and self.logger_ref[0] is self.recorder
+        if not self.coalesced:
+            self.catch_up.record()
+        self.engine_idx = outputs.engine_index
 
 
-def run_output_handler(engine: Any, catch_up: CatchUp, steps: SliceSteps) -> None:
-    """`AsyncLLM._run_output_handler`, recording statistics through `catch_up`, laid out
-    as vLLM's is (the task's coroutine holds the engine's parts, never the engine).
-    catchup.py calls it only while the engine has no handler."""
-    engine_core = engine.engine_core
-    output_processor = engine.output_processor
-    log_stats = engine.log_stats
-    engine._logger_ref = [engine.logger_manager]
-    logger_ref = engine._logger_ref
-    renderer = engine.renderer
-    mm_processor_cache = renderer.mm_processor_cache
-    chunk_size = envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
-    outputs_queue = engine_core.outputs_queue
+# The handler task's run; None in every other task (and in an unhooked handler).
+_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("vllm_mmretry_catch_up", default=None)
 
-    async def output_handler() -> None:
+
+def iteration_stats() -> Any:
+    """`IterationStats()` as vLLM's handler calls it (async_llm's global while installed):
+    the catch-up's shared statistics for a coalesced message, else new ones."""
+    run = _RUN.get()
+    if run is None or not run.coalesced:
+        return IterationStats()
+    return run.catch_up.stats_for(run.engine_idx)
+
+
+class _Recorder:
+    """The handler's `logger_ref[0]`: a coalesced message's record goes to the catch-up,
+    any other after the catch-up's records, to the stat logger manager."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int | None = None) -> None:
+        run = self.run
+        engine_idx = 0 if engine_idx is None else engine_idx
+        if run.coalesced and (iteration_stats is None or run.catch_up.holds(engine_idx, iteration_stats)):
+            run.catch_up.add(engine_idx, scheduler_stats, iteration_stats, mm_cache_stats)
+            return
+        run.catch_up.record()
+        run.catch_up.manager.record(engine_idx=engine_idx, scheduler_stats=scheduler_stats,
+                                    iteration_stats=iteration_stats, mm_cache_stats=mm_cache_stats)
+
+
+def install_iteration_stats() -> list[str]:
+    """Have vLLM's handler build its `IterationStats` through `iteration_stats`."""
+    if _patching.is_patched(async_llm, "IterationStats"):
+        return []
+    return [_patching.patch_attr(async_llm, "IterationStats", iteration_stats)]
+
+
+def start_with_catch_up(engine: Any, start: Callable[[Any], None]) -> CatchUp:
+    """Start vLLM's handler (`start`: `AsyncLLM._run_output_handler`) with the
+    statistics of each catch-up recorded once. catchup.py calls it only while the
+    engine has no handler; vLLM's task runs its first step after this returns."""
+    install_iteration_stats()
+    start(engine)
+    catch_up = CatchUp(engine.logger_manager)
+    run = _Run(catch_up, engine._logger_ref, envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE)
+    engine._logger_ref[0] = run.recorder
+    read_with_catch_up(engine.engine_core, run)
+    return catch_up
+
+
+def read_with_catch_up(client: Any, run: _Run) -> None:
+    """Give `client` (this instance only) a `get_output_async` that ends the catch-up
+    when nothing waits and tells `run` what the handler took."""
+    read = type(client).get_output_async
+    queue = client.outputs_queue
+    # Through a weak reference: the client's own attribute must not keep it alive
+    # (vLLM cleans its sockets up when it is collected).
+    client_ref = weakref.ref(client)
+
+    async def get_output_async() -> Any:
+        _RUN.set(run)  # in the handler's task: what `iteration_stats` reads
+        if queue.empty():
+            run.catch_up.record()  # caught up: the handler is about to wait
         try:
-            while True:
-                if outputs_queue.empty():
-                    catch_up.record()  # caught up: the handler is about to wait
-                try:
-                    outputs = await engine_core.get_output_async()
-                except BaseException:
-                    catch_up.record()  # what stock had recorded by now
-                    raise
-                num_outputs = len(outputs.outputs)
-                # A message with several chunks yields between them: stock's way.
-                coalesced = num_outputs <= chunk_size and logger_ref[0] is catch_up.manager
-                if not coalesced:
-                    catch_up.record()
-                iteration_stats = None
-                if log_stats and num_outputs:
-                    iteration_stats = (catch_up.stats_for(outputs.engine_index) if coalesced
-                                       else IterationStats())
+            outputs = await read(client_ref())
+        except BaseException:
+            run.catch_up.record()  # what stock had recorded by now
+            raise
+        run.took(outputs)
+        return outputs
 
-                engine_core_outputs = outputs.outputs
-                for start in range(0, num_outputs, chunk_size):
-                    end = start + chunk_size
-                    outputs_slice = engine_core_outputs[start:end]
-                    if steps.before is not None:
-                        steps.before(renderer, mm_processor_cache, outputs_slice)
-                    processed_outputs = output_processor.process_outputs(
-                        outputs_slice,
-                        outputs.timestamp,
-                        iteration_stats,
-                        weight_version=outputs.weight_version,
-                    )
-                    assert not processed_outputs.request_outputs
-                    if steps.after is not None:
-                        steps.after(renderer, mm_processor_cache, outputs_slice)
-                    if end < num_outputs:
-                        await asyncio.sleep(0)
-                    if processed_outputs.reqs_to_abort:
-                        await engine_core.abort_requests_async(processed_outputs.reqs_to_abort)
-
-                output_processor.update_scheduler_stats(outputs.scheduler_stats)
-
-                if logger_ref[0]:
-                    if coalesced:
-                        catch_up.add(outputs.engine_index, outputs.scheduler_stats, iteration_stats)
-                    else:
-                        logger_ref[0].record(
-                            engine_idx=outputs.engine_index,
-                            scheduler_stats=outputs.scheduler_stats,
-                            iteration_stats=iteration_stats,
-                            mm_cache_stats=renderer.stat_mm_cache(),
-                        )
-        except Exception as e:  # noqa: BLE001 - vLLM's handler hands every error to the requests
-            if steps.quiet_failure is not None and steps.quiet_failure(e):
-                output_processor.propagate_error(e)
-                return
-            vllm_async_llm_logger.exception("AsyncLLM output_handler failed.")
-            output_processor.propagate_error(e)
-
-    engine.output_handler = asyncio.create_task(output_handler())
+    client.get_output_async = get_output_async
 
 
 def handler_why_not(engine: Any) -> str | None:

@@ -806,16 +806,6 @@ class _SkipMMCacheIO:
 
 # ------------------------------------------------------------------- the adapter
 
-def _invalidate_missed(renderer: Any, mm_processor_cache: Any, outputs_slice: Any) -> None:
-    """vLLM 0.32's output handler, after process_outputs: the slice's missed hashes are
-    dropped from P0's cache (the plugin's output processor has already consumed them)."""
-    if mm_processor_cache is not None:
-        for eco in outputs_slice:
-            if eco.mm_cache_miss_hashes:
-                for mm_hash in eco.mm_cache_miss_hashes:
-                    mm_processor_cache.invalidate(mm_hash)
-
-
 class Adapter(VllmAdapter):
     """vLLM 0.32.x."""
 
@@ -1042,7 +1032,7 @@ class Adapter(VllmAdapter):
         return outputs_wire()
 
     # --- the output handler (catchup.py) --------------------------------------
-    # Source digests of the vLLM code the adapter's handler was written against
+    # Source digests of the vLLM code the catch-up hooks were written against
     # (vllm_adapter/output_handler.py: `digest_targets`, `source_digest`).
     HANDLER_DIGESTS: ClassVar[dict[str, str]] = {
         "AsyncLLM._run_output_handler": "5111696248ec17f0",
@@ -1056,12 +1046,8 @@ class Adapter(VllmAdapter):
         "IterationStats": "4caffb1b08908232",
         "PromptTokenStats": "5598f78519189eb1",
         "BaseRenderer.stat_mm_cache": "ef5c52ca1179e880",
+        "CachingMetrics.observe": "b8f2aab2a9da3e6d",
     }
-
-    def handler_steps(self) -> Any:
-        from vllm_mmretry.vllm_adapter import output_handler
-
-        return output_handler.SliceSteps(before=None, after=_invalidate_missed)
 
     def output_handler_seam(self) -> HandlerSeam | str:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -1069,17 +1055,14 @@ class Adapter(VllmAdapter):
         from vllm_mmretry.vllm_adapter import output_handler
 
         # vLLM's own handler, even where install() has already wrapped it.
-        targets = {**output_handler.digest_targets(),
-                   "AsyncLLM._run_output_handler": _patching.original(AsyncLLM, "_run_output_handler")}
+        vllm_start = _patching.original(AsyncLLM, "_run_output_handler")
+        targets = {**output_handler.digest_targets(), "AsyncLLM._run_output_handler": vllm_start}
         changed = output_handler.changed_sources(self.HANDLER_DIGESTS, targets)
         if changed:
-            return f"vLLM's {', '.join(changed)} differ from what the handler was written against"
-        steps = self.handler_steps()
+            return f"vLLM's {', '.join(changed)} differ from what the catch-up hooks were written against"
 
         def start(engine: Any) -> Any:
-            catch_up = output_handler.CatchUp(engine.logger_manager, engine.renderer)
-            output_handler.run_output_handler(engine, catch_up, steps)
-            return catch_up
+            return output_handler.start_with_catch_up(engine, vllm_start)
 
         return HandlerSeam(AsyncLLM, "_run_output_handler", output_handler.handler_why_not, start)
 

@@ -57,25 +57,6 @@ def _reject(core: Any, eco: EngineCoreOutput, aborts: list[str]) -> bool:
     return True
 
 
-def _queue_invalidations(renderer: Any, mm_processor_cache: Any, outputs_slice: Any) -> None:
-    """vLLM 0.33's output handler, before process_outputs: the slice's missed hashes
-    are queued on the renderer (it drops them before its next cache lookup)."""
-    if mm_processor_cache is not None:
-        missing_hashes = [mm_hash for eco in outputs_slice for mm_hash in eco.mm_cache_miss_hashes or ()]
-        renderer.queue_mm_cache_invalidations(missing_hashes)
-
-
-def _retired_rank_stopped(e: BaseException) -> bool:
-    """vLLM 0.33's output handler stops quietly when a retired elastic-EP rank's
-    engine is gone."""
-    from vllm.v1.engine import async_llm
-
-    if async_llm.get_elastic_ep_rank_retired() and isinstance(e, async_llm.EngineDeadError):
-        async_llm.logger.info("[Elastic EP] Retired rank stopped receiving EngineCore outputs")
-        return True
-    return False
-
-
 class Adapter(v0_32.Adapter):
     """vLLM 0.33.x."""
 
@@ -134,12 +115,6 @@ class Adapter(v0_32.Adapter):
         "AsyncLLM._run_output_handler": "5e7ca70415063aa8",
         "IterationStats": "f5c7742972cf8833",
     }
-
-    def handler_steps(self) -> Any:
-        from vllm_mmretry.vllm_adapter import output_handler
-
-        return output_handler.SliceSteps(before=_queue_invalidations, after=None,
-                                         quiet_failure=_retired_rank_stopped)
 
     def streaming_input_collector(self) -> type:
         collector: type = StreamingInputOutputCollector
