@@ -401,6 +401,49 @@ def test_a_catch_up_is_recorded_once(tiny_tokenizer: Any, vllm_config: Any, rend
     assert counts == {"0": "40.0", "1": "0.0"}
 
 
+def test_a_wrapper_on_the_clients_read_stays_in_its_path(
+        tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any], text_tokens: list[int]) -> None:
+    """Someone's wrapper on the client instance's `get_output_async` (a fault injector,
+    a tracer) is what the hooked handler reads through, as vLLM's handler would; the
+    hook of an earlier handler, cancelled before the wrapper went on, passes through."""
+    async def run() -> tuple[Any, Any, list[int]]:
+        served = Served(tiny_tokenizer, vllm_config, renderers[1])
+        try:
+            for spec in _specs_plain(text_tokens):
+                served.side.add(spec)
+            first = ours_start(served.engine)
+            await served.settle()
+            served.engine.output_handler.cancel()
+            await asyncio.sleep(0)
+            assert served.engine.output_handler.done()
+            served.engine.output_handler = None
+            seen: list[int] = []
+            inner = served.client.get_output_async
+
+            async def traced() -> Any:
+                outputs = await inner()
+                seen.append(len(outputs.outputs))
+                return outputs
+
+            served.client.get_output_async = traced
+            second = ours_start(served.engine)
+            for i in range(3):
+                served.client.outputs_queue.put_nowait(_message({
+                    "engine": 0, "ts": 5000.0 + i, "sched": None,
+                    "outputs": [(f"p{j}", {"tokens": [text_tokens[i]], "finish": None, "events": None,
+                                           "prefill": None, "nans": 0, "miss": None}) for j in range(2)],
+                }))
+            await served.settle()
+            return first, second, seen
+        finally:
+            served.close()
+
+    first, second, seen = asyncio.run(run())
+    assert seen == [2, 2, 2]
+    assert (second.messages, second.records) == (3, 1)
+    assert (first.messages, first.records) == (0, 0)
+
+
 def test_a_render_during_a_catch_up_is_observed_as_stock_observes_it(
         tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any], text_tokens: list[int]) -> None:
     """The renderer counts requests while the handler works through a catch-up (after

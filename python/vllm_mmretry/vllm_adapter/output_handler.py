@@ -35,6 +35,7 @@ version lists them). Otherwise vLLM's handler runs unhooked (catchup.py says why
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import inspect
 import time
@@ -240,9 +241,10 @@ class _Run:
     """One handler's catch-up state: whether the message it works on has its
     statistics recorded with the catch-up's (`coalesced`), and from which engine."""
 
-    __slots__ = ("catch_up", "chunk_size", "coalesced", "engine_idx", "logger_ref", "recorder")
+    __slots__ = ("active", "catch_up", "chunk_size", "coalesced", "engine_idx", "logger_ref", "recorder")
 
     def __init__(self, catch_up: CatchUp, logger_ref: list[Any], chunk_size: int) -> None:
+        self.active = True  # until the handler's task is done
         self.catch_up = catch_up
         self.logger_ref = logger_ref  # the handler's; elastic EP may put another manager in
         self.chunk_size = chunk_size
@@ -310,24 +312,37 @@ def start_with_catch_up(engine: Any, start: Callable[[Any], None]) -> CatchUp:
     run = _Run(catch_up, engine._logger_ref, envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE)
     engine._logger_ref[0] = run.recorder
     read_with_catch_up(engine.engine_core, run)
+    engine.output_handler.add_done_callback(functools.partial(_ended, run))
     return catch_up
+
+
+def _ended(run: _Run, _task: Any) -> None:
+    run.active = False
 
 
 def read_with_catch_up(client: Any, run: _Run) -> None:
     """Give `client` (this instance only) a `get_output_async` that ends the catch-up
-    when nothing waits and tells `run` what the handler took."""
+    when nothing waits and tells `run` what the handler took. It reads through what
+    the handler would have called: a wrapper someone put on this instance (the last
+    handler's hook passes through once that handler is done), else vLLM's method."""
+    own = vars(client).get("get_output_async")
     read = type(client).get_output_async
     queue = client.outputs_queue
     # Through a weak reference: the client's own attribute must not keep it alive
     # (vLLM cleans its sockets up when it is collected).
     client_ref = weakref.ref(client)
 
+    def take() -> Any:
+        return own() if own is not None else read(client_ref())
+
     async def get_output_async() -> Any:
+        if not run.active:
+            return await take()
         _RUN.set(run)  # in the handler's task: what `iteration_stats` reads
         if queue.empty():
             run.catch_up.record()  # caught up: the handler is about to wait
         try:
-            outputs = await read(client_ref())
+            outputs = await take()
         except BaseException:
             run.catch_up.record()  # what stock had recorded by now
             raise
