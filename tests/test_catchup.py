@@ -383,11 +383,9 @@ def test_a_catch_up_is_recorded_once(tiny_tokenizer: Any, vllm_config: Any, rend
                 served.side.add(spec)
             catch_up = ours_start(served.engine)
             for i in range(40):
-                served.client.outputs_queue.put_nowait(_message({
-                    "engine": 0, "ts": 5000.0 + i, "sched": (1, 0, 0.5, 2, 1) if i % 10 == 0 else None,
-                    "outputs": [(s.request_id, {"tokens": [text_tokens[i % 5]], "finish": None, "events": None,
-                                                "prefill": None, "nans": 0, "miss": None}) for s in specs],
-                }))
+                served.client.outputs_queue.put_nowait(_message(plain_message(
+                    i, [s.request_id for s in specs], text_tokens[i % 5],
+                    sched=(1, 0, 0.5, 2, 1) if i % 10 == 0 else None)))
             await served.settle()
             return catch_up, prometheus_form(served.engine.logger_manager)
         finally:
@@ -428,11 +426,7 @@ def test_a_wrapper_on_the_clients_read_stays_in_its_path(
             served.client.get_output_async = traced
             second = ours_start(served.engine)
             for i in range(3):
-                served.client.outputs_queue.put_nowait(_message({
-                    "engine": 0, "ts": 5000.0 + i, "sched": None,
-                    "outputs": [(f"p{j}", {"tokens": [text_tokens[i]], "finish": None, "events": None,
-                                           "prefill": None, "nans": 0, "miss": None}) for j in range(2)],
-                }))
+                served.client.outputs_queue.put_nowait(_message(plain_message(i, ["p0", "p1"], text_tokens[i])))
             await served.settle()
             return first, second, seen
         finally:
@@ -450,13 +444,10 @@ def test_a_render_during_a_catch_up_is_observed_as_stock_observes_it(
     the first message took what it had counted before): each engine's logging logger
     observes those statistics after the first message's, as in stock."""
     specs = _specs_plain(text_tokens)
-
-    def msg(i: int, engine: int, render: tuple[int, int] | None) -> dict[str, Any]:
-        return {"engine": engine, "ts": 5000.0 + i, "sched": None, "render": render,
-                "outputs": [(s.request_id, {"tokens": [text_tokens[i]], "finish": None, "events": None,
-                                            "prefill": None, "nans": 0, "miss": None}) for s in specs]}
-
-    plan = [{"mm": (2, 1), "messages": [msg(0, 0, None), msg(1, 1, (1, 0)), msg(2, 0, (3, 2)), msg(3, 0, None)]}]
+    rids = [s.request_id for s in specs]
+    plan = [{"mm": (2, 1), "messages": [
+        plain_message(i, rids, text_tokens[i], engine=engine, render=render)
+        for i, (engine, render) in enumerate([(0, None), (1, (1, 0)), (0, (3, 2)), (0, None)])]}]
     want, got = (asyncio.run(run_side(start, specs, [1000.0] * len(specs), plan, False, True,
                                       tiny_tokenizer, vllm_config, r))
                  for start, r in ((stock_start(), renderers[0]), (ours_start, renderers[1])))
@@ -464,6 +455,15 @@ def test_a_render_during_a_catch_up_is_observed_as_stock_observes_it(
     engine0 = dict(want[0]["logging"][0])[repr(0)]
     queue = dict(dict(engine0[1])["mm_caching_metrics"][1])["query_queue"]
     assert queue == [["1", "2", "1"], ["1", "3", "2"]]  # the burst's, then the render's
+
+
+def plain_message(i: int, rids: list[str], token: int, engine: int = 0, sched: Any = None,
+                  render: tuple[int, int] | None = None) -> dict[str, Any]:
+    """A planned message (as `_plan` draws them): one token for each of `rids`, nothing
+    else happening, at engine time 5000 + i."""
+    step = {"tokens": [token], "finish": None, "events": None, "prefill": None, "nans": 0, "miss": None}
+    return {"engine": engine, "ts": 5000.0 + i, "sched": sched, "render": render,
+            "outputs": [(rid, dict(step)) for rid in rids]}
 
 
 def _specs_plain(tokens: list[int]) -> list[Any]:
