@@ -24,11 +24,15 @@ fairly (at saturation stock's responses arrive whole: see load_points()).
 Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
 vllm-bench's steady-state window (whole run when it has none) with its min-max; output
 tokens/s = output length x that (the engine's count: see measurements()); TTFT and inter-token
-latency p50/p99, TPOT and end-to-end latency p50 as vllm-bench reports them (whole run);
+latency p50/p99, TPOT p50 and end-to-end latency p50/p99 as vllm-bench reports them (whole
+run); split %: the responses that came in parts (two events more than 1 ms apart), with the
+median of their longest gaps (what a closed-loop ITL p99 is made of: split_responses());
 API-server CPU seconds per 1,000 output tokens (utime+stime of the API server process, all threads, from /proc over the
 whole load run); `vs_stock`: this row's requests/s over stock's with the same statistics
 setting in the same repeat, median and min-max over the repeats.
-Prints a table, then one JSON line per row, then the elapsed time.
+Prints a table; then each row's latency beside stock's (p99s with their min-max, and in how
+many repeats the row was at or below stock's p99 of the same repeat); then one JSON line per
+row, then the elapsed time.
 
 The Python front ends run the vLLM of the interpreter that runs this script: `.venv`'s
 0.32.0 (`make bench-serve`) or `.venv-033`'s 0.33.0 (`make bench-serve-033`); the header
@@ -69,6 +73,7 @@ CALL_TIMES_SITE = ROOT / "tools" / "call_times"  # a sitecustomize, put on PYTHO
 PROMPT_LEN, OUTPUT_LEN = 32, 256
 # Open-loop runs: a cap on requests in flight that a run below saturation never reaches.
 PACED_CONCURRENCY = 256
+SPLIT_GAP_S = 0.001  # a longer gap between two events of one response splits it
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
 ALL_CONFIGS = ("stock/on", "plugin/on", "permsg/on", "rust/on", "stock/off", "plugin/off", "rust/off")
@@ -360,10 +365,23 @@ def measurements(res: dict[str, Any], cpu: float, num_prompts: int,
         "ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
         "itl_p50": res["median_itl_ms"], "itl_p99": res["p99_itl_ms"],
         "tpot_p50": res["median_tpot_ms"], "e2el_p50": res["median_e2el_ms"],
+        "e2el_p99": res["p99_e2el_ms"],
         "cpu_per_1k": cpu / (num_prompts * output_len / 1000),
         "events_per_req": events_per_request(res),
+        **split_responses(res),
         "steady": 1.0 if ss else 0.0,
     }
+
+
+def split_responses(res: dict[str, Any]) -> dict[str, float]:
+    """The responses that came in parts (two of their events more than SPLIT_GAP_S apart),
+    as a share of all, and the median of their longest gaps. At saturation a Python front
+    end's responses mostly arrive whole, and these gaps are then what its ITL p99 is made
+    of: the p99 is such a gap once more than about 1 % of the samples are."""
+    longest = [max(gaps) for gaps in res["itls"] if gaps]
+    split = [gap for gap in longest if gap > SPLIT_GAP_S]
+    return {"split_pct": 100 * len(split) / len(res["itls"]),
+            "split_gap_ms": 1000 * statistics.median(split) if split else 0.0}
 
 
 def events_per_request(res: dict[str, Any]) -> float:
@@ -453,11 +471,11 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
         row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
                                "request_rate": rate, "repeats": len(ms)}
         for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
-                    "e2el_p50", "cpu_per_1k", "events_per_req"):
+                    "e2el_p50", "e2el_p99", "cpu_per_1k", "events_per_req", "split_pct", "split_gap_ms"):
             vals = [m[key] for m in ms]
-            digits = 2 if key in ("req_s", "tok_s", "events_per_req") else 4
+            digits = 2 if key in ("req_s", "tok_s", "events_per_req", "split_pct") else 4
             row[key] = round(statistics.median(vals), digits)
-            if key in ("req_s", "tok_s", "cpu_per_1k"):
+            if key in ("req_s", "tok_s", "cpu_per_1k", "ttft_p99", "itl_p99", "split_pct"):
                 row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
         row["req_s_repeats"] = [round(m["req_s"], 2) for m in ms]
         row["steady_state_runs"] = int(sum(m["steady"] for m in ms))
@@ -471,11 +489,47 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
             row["vs_stock"] = round(statistics.median(ratios), 2)
             row["vs_stock_repeats"] = [round(r, 2) for r in ratios]
             row["vs_stock_min"], row["vs_stock_max"] = round(min(ratios), 2), round(max(ratios), 2)
+            row.update(repeats_at_or_below(ms, base))
         rows.append(row)
     order = {n: i for i, n in enumerate(ALL_CONFIGS)}
     rows.sort(key=lambda r: (r["request_rate"] is not None, r["endpoint"], r["request_rate"] or 0,
                              r["concurrency"], order.get(r["config"], 99)))
     return rows
+
+
+def repeats_at_or_below(ms: list[dict[str, float]], base: list[dict[str, float]]) -> dict[str, list[int]]:
+    """In how many repeats this row's latency percentiles were at or below stock's of the
+    same repeat: [at or below, compared], per percentile."""
+    by_rep = {m["repeat"]: m for m in base}
+    pairs = [(m, by_rep[m["repeat"]]) for m in ms if m["repeat"] in by_rep]
+    return {f"{key}_le_stock": [sum(m[key] <= b[key] for m, b in pairs), len(pairs)]
+            for key in ("ttft_p99", "itl_p99", "e2el_p99")}
+
+
+def print_latency_check(rows: list[dict[str, Any]]) -> None:
+    """Each row against stock with the same statistics setting in the same repeats: its
+    p99s (median, min-max over repeats) beside stock's, and in how many repeats it was
+    at or below stock; the share of responses that came in parts beside stock's."""
+    stock = {(r["endpoint"], r["concurrency"], r["request_rate"], r["config"]): r for r in rows}
+    print("\n| endpoint | load | config | TTFT p99 ms, stock | at or below | ITL p99 ms, stock "
+          "| at or below | split %, stock | E2E p99 ms, stock's TTFT p99 |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = stock.get((r["endpoint"], r["concurrency"], r["request_rate"], baseline_of(r["config"])))
+        if "ttft_p99_le_stock" not in r or base is None:
+            continue
+        cells = []
+        for key in ("ttft_p99", "itl_p99"):
+            k, n = r[f"{key}_le_stock"]
+            cells.append(f"{spread(r, key)}, {spread(base, key)} | {k}/{n}")
+        print(f"| {r['endpoint']} | {load_label(r)} | {r['config']} | {' | '.join(cells)} "
+              f"| {spread(r, 'split_pct', 1)}, {spread(base, 'split_pct', 1)} "
+              f"| {r['e2el_p99']:.0f}, {base['ttft_p99']:.0f} |")
+
+
+def spread(row: dict[str, Any], key: str, digits: int = 2) -> str:
+    """A row's median of `key` with its min-max over the repeats."""
+    return f"{row[key]:.{digits}f} ({row[key + '_min']:.{digits}f}-{row[key + '_max']:.{digits}f})"
 
 
 def load_label(row: dict[str, Any]) -> str:
@@ -488,9 +542,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """A Markdown table (reads in a terminal, pastes into the README); open-loop rows
     show their rate (requests/s offered) in the load column."""
     print("| endpoint | load | config | req/s (min-max) | out tok/s | TTFT p50 / p99 ms "
-          "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms | events / req | API CPU s / 1k tok "
-          "| vs stock (min-max) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| ITL p50 / p99 ms | TPOT p50 ms | E2E p50 / p99 ms | events / req | split % (gap ms) "
+          "| API CPU s / 1k tok | vs stock (min-max) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = (f"**{r['vs_stock']:.2f}** ({r['vs_stock_min']:.2f}-{r['vs_stock_max']:.2f})"
                  if "vs_stock" in r else "-")
@@ -498,7 +552,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['endpoint']} | {load} | {r['config']} "
               f"| {r['req_s']:.2f} ({r['req_s_min']:.2f}-{r['req_s_max']:.2f}) | {r['tok_s']:.0f} "
               f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} | {r['itl_p50']:.2f} / {r['itl_p99']:.2f} "
-              f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} | {r['events_per_req']:.1f} "
+              f"| {r['tpot_p50']:.3f} | {r['e2el_p50']:.0f} / {r['e2el_p99']:.0f} "
+              f"| {r['events_per_req']:.1f} | {r['split_pct']:.1f} ({r['split_gap_ms']:.1f}) "
               f"| {r['cpu_per_1k']:.3f} | {ratio} |")
 
 
@@ -611,6 +666,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         row["vllm"] = vllm_version
         row["output_len"] = args.output_len
     print_table(rows)
+    print_latency_check(rows)
     print_call_times(rows)
     for row in rows:
         print(json.dumps(row))

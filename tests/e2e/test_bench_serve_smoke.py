@@ -67,11 +67,18 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
         # /proc counts CPU in 10 ms ticks: the Rust front end serves the smoke run's
         # 8,192 tokens in about 0.1 s of CPU, and may show none.
         assert r["cpu_per_1k"] > 0 or (r["config"] == "rust/on" and r["cpu_per_1k"] == 0)
+        assert r["e2el_p50"] <= r["e2el_p99"] and r["ttft_p99"] <= r["e2el_p99"]
+        # a response in parts has a gap over 1 ms; none in parts, no gap to report
+        assert 0 <= r["split_pct"] <= 100
+        assert (r["split_gap_ms"] > 1) == (r["split_pct"] > 0)
     by = {r["config"]: r for r in rows}
     assert "vs_stock" not in by["stock/on"]
     for name in ("plugin/on", "rust/on"):
         assert by[name]["vs_stock"] == pytest.approx(by[name]["req_s"] / by["stock/on"]["req_s"], rel=0.02)
         assert by[name]["vs_stock_repeats"] == [by[name]["vs_stock"]]
+        for key in ("ttft_p99", "itl_p99", "e2el_p99"):  # one repeat compared
+            at_or_below = int(by[name][key] <= by["stock/on"][key])
+            assert by[name][f"{key}_le_stock"] == [at_or_below, 1]
 
 
 def test_open_loop_rows_keep_the_offered_rate(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
@@ -187,10 +194,12 @@ def test_output_len_reaches_the_load_and_the_columns() -> None:
     assert cmd[cmd.index("--random-output-len") + 1] == "1"
     res = {"completed": 16, "request_throughput": 400.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 2.0,
            "median_itl_ms": 0.0, "p99_itl_ms": 0.0, "median_tpot_ms": 0.0, "median_e2el_ms": 1.0,
+           "p99_e2el_ms": 2.0,
            "itls": [[]] * 16}
     m = bench_serve.measurements(res, cpu=0.04, num_prompts=16, output_len=1)
     assert m["tok_s"] == 400.0
     assert m["cpu_per_1k"] == pytest.approx(2.5)  # 0.04 s over 16 requests of 1 token
+    assert (m["split_pct"], m["split_gap_ms"]) == (0.0, 0.0)  # every response whole
     assert bench_serve.measurements(res, cpu=0.04, num_prompts=16)["tok_s"] == 400.0 * 256
 
 
@@ -231,3 +240,19 @@ def test_events_per_request_count_each_requests_streamed_events() -> None:
     with k gaps arrived in k + 1 events."""
     res = {"itls": [[0.5, 0.25, 0.0], [], [1.0]]}
     assert bench_serve.events_per_request(res) == pytest.approx((4 + 1 + 2) / 3)
+
+
+def test_split_responses_are_those_with_a_gap_over_a_millisecond() -> None:
+    res = {"itls": [[0.0002, 0.0004], [0.0001, 0.012], [], [0.003, 0.0005, 0.007]]}
+    assert bench_serve.split_responses(res) == {"split_pct": 50.0, "split_gap_ms": pytest.approx(9.5)}
+    assert bench_serve.split_responses({"itls": [[0.0009], []]}) == {"split_pct": 0.0, "split_gap_ms": 0.0}
+
+
+def test_latency_is_compared_with_stocks_repeat_by_repeat() -> None:
+    def run(rep: int, ttft: float, itl: float) -> dict[str, float]:
+        return {"repeat": rep, "ttft_p99": ttft, "itl_p99": itl, "e2el_p99": ttft + 1}
+
+    stock = [run(0, 100, 0.2), run(1, 90, 20.0), run(2, 80, 5.0)]
+    plugin = [run(1, 95, 4.0), run(0, 40, 0.3), run(2, 80, 6.0), run(3, 1, 0.0)]  # 3: no stock run
+    assert bench_serve.repeats_at_or_below(plugin, stock) == {
+        "ttft_p99_le_stock": [2, 3], "itl_p99_le_stock": [1, 3], "e2el_p99_le_stock": [2, 3]}
