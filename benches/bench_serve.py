@@ -17,9 +17,11 @@ closed loop at each concurrency with 4 x concurrency requests (--prompts-factor)
 (--min-prompts: at concurrency 8, 32 requests took the plugin about 0.3 s). Repeats alternate the
 configurations (the order rotates every repeat), so load changes on a shared machine hit
 all of them. After the closed-loop rows of an endpoint, open-loop rows at each of --rates
-(default 30 requests/s, Poisson arrivals, 6 s per run) on the statistics-on configurations:
-the same offered load, below stock's saturation, is where inter-token latency compares
-fairly (at saturation stock's responses arrive whole: see load_points()).
+(default 30 requests/s, Poisson arrivals, 6 s per run) and at stock's saturation
+(--stock-fraction, default 0.9 x stock/on's highest closed-loop requests/s on that endpoint
+in the first repeat; the load column shows "(0.9× stock)") on the statistics-on
+configurations: the same offered load for all is where inter-token latency compares fairly
+(in the closed loop stock's responses arrive whole: see load_points()).
 
 Per row (configuration, endpoint, concurrency), medians over the repeats: requests/s over
 vllm-bench's steady-state window (whole run when it has none) with its min-max; output
@@ -418,25 +420,42 @@ def rotated(items: list[str], k: int) -> list[str]:
 RowKey = tuple[str, str, int, float | None]
 
 
-def load_points(args: argparse.Namespace, names: list[str], rep: int
+def load_points(args: argparse.Namespace, names: list[str], rep: int,
+                runs: dict[RowKey, list[dict[str, float]]] | None = None
                 ) -> Iterator[tuple[str, str, int, float | None, int]]:
     """One repeat's runs: (configuration, endpoint, concurrency, rate, requests).
 
     Closed loop at every concurrency (throughput at saturation), then open loop at each
-    of --rates on the statistics-on configurations: the same offered load for all,
-    below stock's saturation, where inter-token latency compares fairly. At saturation
-    the mock engine is far ahead of a Python front end, whose deltas merge in the
-    collector until a response arrives whole: TPOT is then 0 and ITL only measures the
-    rare split response."""
+    of --rates and at stock's saturation rate (saturation_rate()) on the statistics-on
+    configurations: the same offered load for all, where inter-token latency compares
+    fairly. At saturation the mock engine is far ahead of a Python front end, whose
+    deltas merge in the collector until a response arrives whole: TPOT is then 0 and ITL
+    only measures the rare split response. `runs`: what is measured so far (read when the
+    open-loop points of an endpoint are reached)."""
     for endpoint in args.endpoints:
         for conc in args.concurrency:
             for name in rotated(names, rep):
                 if not (name.endswith("/off") and endpoint not in args.off_endpoints):
                     yield name, endpoint, conc, None, num_prompts_for(conc, args.prompts_factor, args.min_prompts)
-        for rate in args.rates:
+        for rate in dict.fromkeys([*args.rates, *saturation_rate(args, endpoint, runs or {})]):
             for name in rotated(names, rep):
                 if name.endswith("/on"):
                     yield name, endpoint, PACED_CONCURRENCY, rate, max(8, int(rate * args.paced_seconds))
+
+
+def saturation_rate(args: argparse.Namespace, endpoint: str,
+                    runs: dict[RowKey, list[dict[str, float]]]) -> list[float]:
+    """The open-loop rate at stock's saturation: --stock-fraction x stock/on's highest
+    closed-loop requests/s on this endpoint in the first repeat (kept for the later
+    repeats, so that their rows share one offered load). None without stock/on or with
+    --stock-fraction 0; the rate found is kept in args.saturation_rates."""
+    if endpoint not in args.saturation_rates:
+        first = [m["req_s"] for (name, ep, _, rate), ms in runs.items()
+                 if (name, ep, rate) == ("stock/on", endpoint, None) for m in ms if m["repeat"] == 0]
+        if not (args.stock_fraction and first):
+            return []
+        args.saturation_rates[endpoint] = round(args.stock_fraction * max(first))
+    return [args.saturation_rates[endpoint]]
 
 
 def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
@@ -444,7 +463,7 @@ def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
     """All repeats; every repeat runs every load point on every configuration."""
     runs: dict[RowKey, list[dict[str, float]]] = {}
     for rep in range(args.repeat):
-        for name, endpoint, conc, rate, n in load_points(args, list(fes), rep):
+        for name, endpoint, conc, rate, n in load_points(args, list(fes), rep, runs):
             m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep, rate=rate,
                          output_len=args.output_len)
             m["repeat"] = rep
@@ -535,7 +554,10 @@ def spread(row: dict[str, Any], key: str, digits: int = 2) -> str:
 def load_label(row: dict[str, Any]) -> str:
     """A row's load: its concurrency (closed loop) or its offered rate (open loop)."""
     rate = row["request_rate"]
-    return str(row["concurrency"]) if rate is None else f"{rate:g}/s"
+    if rate is None:
+        return str(row["concurrency"])
+    at_saturation = f" ({row['stock_fraction']:g}× stock)" if "stock_fraction" in row else ""
+    return f"{rate:g}/s{at_saturation}"
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -590,6 +612,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rates", default="30",
                     help="open-loop request rates (requests/s, comma-separated; '' for none), "
                          "run on the statistics-on configurations after the closed-loop rows")
+    ap.add_argument("--stock-fraction", type=float, default=0.9,
+                    help="also an open-loop rate of this fraction of stock/on's highest "
+                         "closed-loop requests/s per endpoint (its first repeat): the load at "
+                         "stock's saturation, offered to every front end alike; 0 for none")
     ap.add_argument("--paced-seconds", type=float, default=6.0,
                     help="length of an open-loop run: rate x this many requests")
     ap.add_argument("--prompts-factor", type=float, default=4.0,
@@ -619,6 +645,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.configs = "stock/on,plugin/on,rust/on"
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     args.rates = [float(r) for r in str(args.rates).split(",") if r.strip()]
+    args.saturation_rates = {}  # endpoint -> the rate at stock's saturation, once measured
     args.endpoints = args.endpoints.split(",")
     args.off_endpoints = args.off_endpoints.split(",")
     args.configs = args.configs.split(",")
@@ -665,6 +692,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for row in rows:
         row["vllm"] = vllm_version
         row["output_len"] = args.output_len
+        if row["request_rate"] is not None and row["request_rate"] == args.saturation_rates.get(row["endpoint"]):
+            row["stock_fraction"] = args.stock_fraction  # the rate at stock's saturation
     print_table(rows)
     print_latency_check(rows)
     print_call_times(rows)

@@ -84,7 +84,7 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
 def test_open_loop_rows_keep_the_offered_rate(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
     """--quick's open-loop pass: 30 requests/s for 2 s on each configuration, far below
     what any of them serves, so each completes them at about the offered rate."""
-    rows = open_loop(quick_rows[0])
+    rows = [r for r in open_loop(quick_rows[0]) if "stock_fraction" not in r]
     assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
     for r in rows:
         assert (r["endpoint"], r["request_rate"], r["repeats"]) == ("chat", 30.0, 1)
@@ -96,6 +96,21 @@ def test_open_loop_rows_keep_the_offered_rate(quick_rows: tuple[list[dict], path
     by = {r["config"]: r for r in rows}
     assert by["plugin/on"]["vs_stock"] == pytest.approx(
         by["plugin/on"]["req_s"] / by["stock/on"]["req_s"], rel=0.02)
+
+
+def test_a_row_at_stocks_saturation_offers_what_stock_served(
+        quick_rows: tuple[list[dict], pathlib.Path]) -> None:
+    """--stock-fraction (0.9 by default): an open-loop rate of 0.9 x stock/on's
+    closed-loop requests/s, run on every statistics-on configuration."""
+    rows = quick_rows[0]
+    stock_closed = next(r for r in closed_loop(rows) if r["config"] == "stock/on")
+    at_saturation = [r for r in open_loop(rows) if "stock_fraction" in r]
+    assert sorted(r["config"] for r in at_saturation) == sorted(["stock/on", "plugin/on", "rust/on"])
+    for r in at_saturation:
+        assert r["stock_fraction"] == 0.9
+        assert r["request_rate"] == round(0.9 * stock_closed["req_s"])
+        assert bench_serve.load_label(r) == f"{r['request_rate']:g}/s (0.9× stock)"
+        assert r["req_s"] > 0
 
 
 def test_call_times_account_every_message(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
@@ -256,3 +271,20 @@ def test_latency_is_compared_with_stocks_repeat_by_repeat() -> None:
     plugin = [run(1, 95, 4.0), run(0, 40, 0.3), run(2, 80, 6.0), run(3, 1, 0.0)]  # 3: no stock run
     assert bench_serve.repeats_at_or_below(plugin, stock) == {
         "ttft_p99_le_stock": [2, 3], "itl_p99_le_stock": [1, 3], "e2el_p99_le_stock": [2, 3]}
+
+
+def test_the_saturation_rate_is_a_fraction_of_stocks_first_repeat() -> None:
+    args = bench_serve.parse_args(["--concurrency", "8,32"])
+    assert args.stock_fraction == 0.9
+    runs = {("stock/on", "chat", 8, None): [{"repeat": 0, "req_s": 100.0}, {"repeat": 1, "req_s": 400.0}],
+            ("stock/on", "chat", 32, None): [{"repeat": 0, "req_s": 150.0}],
+            ("plugin/on", "chat", 32, None): [{"repeat": 0, "req_s": 300.0}],
+            ("stock/on", "chat", 256, 30.0): [{"repeat": 0, "req_s": 30.0}]}
+    assert bench_serve.saturation_rate(args, "chat", runs) == [135]
+    runs[("stock/on", "chat", 8, None)][0]["req_s"] = 1000.0  # found once, then kept
+    assert bench_serve.saturation_rate(args, "chat", runs) == [135]
+    assert bench_serve.saturation_rate(args, "completions", runs) == []  # nothing measured
+    assert bench_serve.saturation_rate(bench_serve.parse_args(["--stock-fraction", "0"]), "chat", runs) == []
+    points = list(bench_serve.load_points(args, ["stock/on", "stock/off"], 0, runs))
+    assert [(p[0], p[1], p[3], p[4]) for p in points if p[3] is not None] == [
+        ("stock/on", "chat", 30.0, 180), ("stock/on", "chat", 135, 810), ("stock/on", "completions", 30.0, 180)]

@@ -25,7 +25,7 @@ def quick_rows() -> list[dict]:
     args = bench_serve.parse_args(["--quick"])
     for binary in (args.tools.mock_engine, args.tools.vllm_rs):
         assert binary.exists(), f"{binary} missing: `make mock-engine` (a prerequisite of test-033)"
-    return bench_serve.main(["--quick", "--rates", ""])
+    return bench_serve.main(["--quick", "--rates", "", "--stock-fraction", "0"])
 
 
 def test_rows_are_served_by_vllm_033(quick_rows: list[dict]) -> None:
