@@ -22,7 +22,7 @@ export DO_NOT_TRACK := 1
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
 .PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py bench-serve soak clean test-fast lint wheel
-.PHONY: setup-033 test-033 mock-engine bench-serve-033
+.PHONY: setup-033 test-033 mock-engine bench-serve-033 bench-serve-model
 
 setup: $(STAMP)/package
 
@@ -120,6 +120,11 @@ PROFILE ?=
 bench-serve: setup mock-engine
 	MOCK_ENGINE=$(MOCK_ENGINE) VLLM_RS=$(VLLM_RS) $(VPY) benches/bench_serve.py \
 	  $(if $(filter 1,$(PROFILE)),--profile 20)
+
+# Stock and the plugin each with the tiny model's own CPU engine (vLLM 0.32: the 0.33.0
+# wheel has no CPU engine): latency where the engine, not the front end, is the bottleneck.
+bench-serve-model: setup mock-engine
+	$(VPY) benches/bench_serve_model.py
 
 # The same run with the Python front ends on vLLM 0.33.0 (.venv-033).
 bench-serve-033: setup-033 mock-engine

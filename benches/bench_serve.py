@@ -447,14 +447,14 @@ def saturation_rate(args: argparse.Namespace, endpoint: str,
                     runs: dict[RowKey, list[dict[str, float]]]) -> list[float]:
     """The open-loop rate at stock's saturation: --stock-fraction x stock/on's highest
     closed-loop requests/s on this endpoint in the first repeat (kept for the later
-    repeats, so that their rows share one offered load). None without stock/on or with
+    repeats, so that their rows share one offered load). No rate without stock/on or with
     --stock-fraction 0; the rate found is kept in args.saturation_rates."""
     if endpoint not in args.saturation_rates:
         first = [m["req_s"] for (name, ep, _, rate), ms in runs.items()
                  if (name, ep, rate) == ("stock/on", endpoint, None) for m in ms if m["repeat"] == 0]
         if not (args.stock_fraction and first):
             return []
-        args.saturation_rates[endpoint] = round(args.stock_fraction * max(first))
+        args.saturation_rates[endpoint] = float(round(args.stock_fraction * max(first)))
     return [args.saturation_rates[endpoint]]
 
 
