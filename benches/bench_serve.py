@@ -503,8 +503,7 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
                             for k in ms[0]["calls"]}
         base = runs.get((baseline_of(name), endpoint, conc, rate))
         if base and name != baseline_of(name):
-            by_rep = {m["repeat"]: m["req_s"] for m in base}
-            ratios = [m["req_s"] / by_rep[m["repeat"]] for m in ms if m["repeat"] in by_rep]
+            ratios = [m["req_s"] / b["req_s"] for m, b in same_repeats(ms, base)]
             row["vs_stock"] = round(statistics.median(ratios), 2)
             row["vs_stock_repeats"] = [round(r, 2) for r in ratios]
             row["vs_stock_min"], row["vs_stock_max"] = round(min(ratios), 2), round(max(ratios), 2)
@@ -516,11 +515,17 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
     return rows
 
 
+def same_repeats(ms: list[dict[str, float]], base: list[dict[str, float]]
+                 ) -> list[tuple[dict[str, float], dict[str, float]]]:
+    """Each run of a row with its baseline's run of the same repeat (where there is one)."""
+    by_rep = {b["repeat"]: b for b in base}
+    return [(m, by_rep[m["repeat"]]) for m in ms if m["repeat"] in by_rep]
+
+
 def repeats_at_or_below(ms: list[dict[str, float]], base: list[dict[str, float]]) -> dict[str, list[int]]:
     """In how many repeats this row's latency percentiles were at or below stock's of the
     same repeat: [at or below, compared], per percentile."""
-    by_rep = {m["repeat"]: m for m in base}
-    pairs = [(m, by_rep[m["repeat"]]) for m in ms if m["repeat"] in by_rep]
+    pairs = same_repeats(ms, base)
     return {f"{key}_le_stock": [sum(m[key] <= b[key] for m, b in pairs), len(pairs)]
             for key in ("ttft_p99", "itl_p99", "e2el_p99")}
 
@@ -529,12 +534,12 @@ def print_latency_check(rows: list[dict[str, Any]]) -> None:
     """Each row against stock with the same statistics setting in the same repeats: its
     p99s (median, min-max over repeats) beside stock's, and in how many repeats it was
     at or below stock; the share of responses that came in parts beside stock's."""
-    stock = {(r["endpoint"], r["concurrency"], r["request_rate"], r["config"]): r for r in rows}
+    by_key = {(r["endpoint"], r["concurrency"], r["request_rate"], r["config"]): r for r in rows}
     print("\n| endpoint | load | config | TTFT p99 ms, stock | at or below | ITL p99 ms, stock "
           "| at or below | split %, stock | E2E p99 ms, stock's TTFT p99 |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        base = stock.get((r["endpoint"], r["concurrency"], r["request_rate"], baseline_of(r["config"])))
+        base = by_key.get((r["endpoint"], r["concurrency"], r["request_rate"], baseline_of(r["config"])))
         if "ttft_p99_le_stock" not in r or base is None:
             continue
         cells = []
