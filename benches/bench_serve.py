@@ -494,7 +494,7 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
             vals = [m[key] for m in ms]
             digits = 2 if key in ("req_s", "tok_s", "events_per_req", "split_pct") else 4
             row[key] = round(statistics.median(vals), digits)
-            if key in ("req_s", "tok_s", "cpu_per_1k", "ttft_p99", "itl_p99", "split_pct"):
+            if key in ("req_s", "tok_s", "cpu_per_1k", "ttft_p99", "itl_p99", "e2el_p99", "split_pct"):
                 row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
         row["req_s_repeats"] = [round(m["req_s"], 2) for m in ms]
         row["steady_state_runs"] = int(sum(m["steady"] for m in ms))

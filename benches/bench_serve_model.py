@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -48,17 +47,6 @@ def frontend_of(name: str, server: servers.Server) -> bench_serve.Frontend:
     return bench_serve.Frontend(name, port, server.log_path, server.proc)
 
 
-def summary(name: str, ms: list[dict[str, float]], stock: list[dict[str, float]]) -> dict[str, Any]:
-    row: dict[str, Any] = {"config": name, "repeats": len(ms)}
-    for key in KEYS:
-        vals = [m[key] for m in ms]
-        row[key] = round(statistics.median(vals), 4)
-        row[key + "_min"], row[key + "_max"] = round(min(vals), 4), round(max(vals), 4)
-    if name != "stock/on":
-        row.update(bench_serve.repeats_at_or_below(ms, stock))
-    return row
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=64)
@@ -72,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model())
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+    runs: dict[bench_serve.RowKey, list[dict[str, float]]] = {}
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         fes = {name: frontend_of(name, stack.enter_context(servers.serve(
@@ -88,8 +76,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"  repeat {rep} {name:10s} {m['req_s']:6.2f} req/s  TTFT p99 {m['ttft_p99']:7.1f} ms  "
                       f"ITL p99 {m['itl_p99']:5.1f} ms  [{time.monotonic() - t0:.0f}s]", flush=True)
                 if rep >= 0:
-                    runs[name].append(m)
-    rows = [summary(name, ms, runs["stock/on"]) for name, ms in runs.items()]
+                    runs.setdefault((name, args.endpoint, args.concurrency, None), []).append(m)
+    rows = bench_serve.summarize(runs)
     print_rows(rows, args)
     return rows
 
