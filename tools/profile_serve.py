@@ -211,6 +211,9 @@ def profile_frontends(args: Any, fes: dict[str, Any], work: pathlib.Path, endpoi
             time.sleep(ramp)
             raw = out_dir / f"{name.replace('/', '-')}-{endpoint}-c{concurrency}.txt"
             cpu = recorded_with_cpu(fes[name].api_pid, args.profile, raw)
+            if load.poll() is not None:  # its end would be counted as the front end's idle time
+                raise RuntimeError(f"{name}: the load ended inside the recording (exit code "
+                                   f"{load.returncode}); raise MAX_RATE, now {MAX_RATE}/s")
         finally:
             stop_proc(load)
         text = raw.read_text()
