@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import pathlib
 import sys
 import time
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 
 TOOLS = pathlib.Path(__file__).resolve().parents[2] / "tools"
 if str(TOOLS) not in sys.path:
@@ -40,6 +42,17 @@ def start_server(model: str, *args: str, env: dict[str, str]) -> Iterator[server
     """Generator body for a server fixture: yields a running server, always stops it."""
     with servers.serve(model, *args, env=env, timeout=START_TIMEOUT_S) as server:
         yield server
+
+
+def require_executables(*paths: pathlib.Path) -> None:
+    """Skip the test when one of `make mock-engine`'s binaries is missing; fail instead
+    under VLLM_MMRETRY_REQUIRE_MOCK_ENGINE=1 (make test-py), where they must be there."""
+    missing = [str(p) for p in paths if not os.access(p, os.X_OK)]
+    if not missing:
+        return
+    if os.environ.get("VLLM_MMRETRY_REQUIRE_MOCK_ENGINE") == "1":
+        pytest.fail(f"missing {missing}: run `make mock-engine`")
+    pytest.skip(f"missing {missing}: run `make mock-engine`")
 
 
 def image_url(rgb: tuple[int, int, int]) -> str:

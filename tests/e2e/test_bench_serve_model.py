@@ -5,7 +5,6 @@ line); here the rows are checked to be there and consistent. No timed assertions
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -16,16 +15,13 @@ sys.path.insert(0, str(ROOT / "benches"))
 
 import bench_serve  # noqa: E402
 import bench_serve_model  # noqa: E402
+from e2e_helpers import require_executables  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 
 def test_stock_and_the_plugin_serve_the_load_with_a_real_engine() -> None:
-    vllm_rs = bench_serve.MOCK_DIR / "vllm-rs"
-    if not os.access(vllm_rs, os.X_OK):
-        if os.environ.get("VLLM_MMRETRY_REQUIRE_MOCK_ENGINE") == "1":
-            pytest.fail(f"missing {vllm_rs}: run `make mock-engine`")
-        pytest.skip(f"missing {vllm_rs}: run `make mock-engine`")
+    require_executables(bench_serve.MOCK_DIR / "vllm-rs")
     rows = bench_serve_model.main(["--concurrency", "8", "--num-prompts", "16", "--repeat", "1",
                                    "--warm-up", "0"])
     by = {r["config"]: r for r in rows}

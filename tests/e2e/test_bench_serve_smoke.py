@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches"))
 
 import bench_serve  # noqa: E402
+from e2e_helpers import require_executables  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -27,11 +28,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def quick_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], pathlib.Path]:
     args = bench_serve.parse_args(["--quick"])
-    missing = [str(p) for p in (args.tools.mock_engine, args.tools.vllm_rs) if not os.access(p, os.X_OK)]
-    if missing:
-        if os.environ.get("VLLM_MMRETRY_REQUIRE_MOCK_ENGINE") == "1":
-            pytest.fail(f"missing {missing}: run `make mock-engine`")
-        pytest.skip(f"missing {missing}: run `make mock-engine`")
+    require_executables(args.tools.mock_engine, args.tools.vllm_rs)
     out = tmp_path_factory.mktemp("bench-serve") / "rows.jsonl"
     rows = bench_serve.main(["--quick", "--call-times", "--json-out", str(out)])
     return rows, out
