@@ -86,9 +86,10 @@ DEFAULT_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off"
 
 @dataclass(frozen=True)
 class Tools:
-    """vLLM's binaries: the mock engine, and vllm-rs (Rust front end + load generator)."""
-    mock_engine: pathlib.Path
+    """vLLM's binaries: vllm-rs (Rust front end + load generator) and, for front ends
+    served in front of it, the mock engine (None where a real engine serves)."""
     vllm_rs: pathlib.Path
+    mock_engine: pathlib.Path | None = None
 
 
 @dataclass
@@ -197,6 +198,8 @@ def launch_frontend(name: str, model: str, tools: Tools, log_dir: pathlib.Path,
 def attach_engine(fe: Frontend, rpc: int, tools: Tools, timeout: float) -> None:
     """Start the mock engine once the handshake socket listens; it gives up after 5 s
     without one, so retry until the front end answers /health."""
+    if tools.mock_engine is None:
+        raise ValueError(f"{fe.name}: no mock engine given to attach")
     wait_for(lambda: is_listening(rpc), f"handshake port {rpc}", timeout, fe)
     cmd = [str(tools.mock_engine), "--handshake-address", f"tcp://127.0.0.1:{rpc}",
            "--vocab-size", "32000", "--seed", "0"]
@@ -662,7 +665,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for c in args.configs:
         if c not in ALL_CONFIGS:
             ap.error(f"unknown configuration {c}")
-    args.tools = Tools(pathlib.Path(args.mock_engine).resolve(), pathlib.Path(args.vllm_rs).resolve())
+    args.tools = Tools(pathlib.Path(args.vllm_rs).resolve(), pathlib.Path(args.mock_engine).resolve())
     return args
 
 
@@ -671,7 +674,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     args.t0 = t0
     for binary in (args.tools.mock_engine, args.tools.vllm_rs):
-        if not os.access(binary, os.X_OK):
+        if binary is None or not os.access(binary, os.X_OK):
             sys.exit(f"{binary} missing: run `make mock-engine` first")
     if args.model is None:
         from tiny_model import ensure_tiny_model

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--vllm-rs", type=pathlib.Path, default=bench_serve.MOCK_DIR / "vllm-rs")
     args = ap.parse_args(argv)
-    tools = bench_serve.Tools(pathlib.Path("/nonexistent"), args.vllm_rs.resolve())
+    tools = bench_serve.Tools(args.vllm_rs.resolve())  # a real engine: no mock engine
     from tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model())
