@@ -131,13 +131,13 @@ class CoreHelpers:
     `stock_*`, `hand_over` and `take_back` helpers drive the embedded stock
     OutputProcessor that owns the requests vLLM's own per-request code runs."""
 
-    stock_step: Callable[..., Any]  # (ecos, ts, stats, weight_version) -> (outs, aborts, gone ids)
+    stock_step: Callable[..., Any]  # (ecos, ts, stats, weight_version) -> (outs, aborts, gone ids, error)
     stock_abort: Callable[..., Any]  # (request_id): vLLM's abort, its abort output included
     hand_over: Callable[..., Any]  # (state): the stock processor takes the request over
     take_back: Callable[..., Any]  # (request_id): the stock processor forgets it, no output
     error_output: Callable[..., Any]  # (state, eco, ts, stats, weight_version, lora_states)
     finished_stats: Callable[..., Any]  # (lora_states, stats, state, finish_reason, eco)
-    adopt_native: Callable[..., Any]  # (state, output_token_ids, last_output_text_offset)
+    adopt_native: Callable[..., Any]  # (state, output_token_ids, last_output_text_offset) -> detokenizer
     failed_output: Callable[..., Any]  # (state, message) -> terminal error output
 
 

@@ -219,17 +219,20 @@ class StockSide:
             self.op.parent_requests.pop(parent.request_id, None)
 
     def step(self, ecos: list[EngineCoreOutput], engine_core_timestamp: float | None,
-             iteration_stats: IterationStats | None,
-             weight_version: str | None) -> tuple[list[Any], list[str], list[str]]:
+             iteration_stats: IterationStats | None, weight_version: str | None
+             ) -> tuple[list[Any], list[str], list[str], Exception | None]:
         """vLLM's `process_outputs` on a batch of its requests' outputs:
-        (request_outputs, reqs_to_abort, ids it no longer tracks)."""
+        (request_outputs, reqs_to_abort, ids it no longer tracks, None), or, when
+        it raised, ([], [], the ids it finished before raising, the exception)."""
         states = self.op.request_states
         for eco in ecos:
             if eco.mm_cache_miss_hashes and eco.finish_reason == FinishReason.ERROR:
                 _metrics.count_cache_miss()  # vllm-mmretry metrics hook (pooling misses)
-        out = self.op.process_outputs(ecos, engine_core_timestamp, iteration_stats, weight_version)
-        gone = [eco.request_id for eco in ecos if eco.request_id not in states]
-        return out.request_outputs, out.reqs_to_abort, gone
+        try:
+            out = self.op.process_outputs(ecos, engine_core_timestamp, iteration_stats, weight_version)
+        except Exception as e:  # noqa: BLE001 - handed to the core, which raises it
+            return [], [], _gone(ecos, states), e
+        return out.request_outputs, out.reqs_to_abort, _gone(ecos, states), None
 
     def abort(self, request_id: str) -> None:
         """vLLM's abort of one of its requests (its abort output included)."""
@@ -252,6 +255,16 @@ class StockSide:
                      weight_version: str | None, lora_states: LoRARequestStates) -> RequestOutput:
         self.op._update_stats_from_output(req_state, eco, engine_core_timestamp, iteration_stats)
         return _error_output(req_state, eco, weight_version)
+
+
+def _gone(ecos: list[EngineCoreOutput], states: dict[str, Any]) -> list[str]:
+    """The ids of `ecos` the stock processor no longer tracks (it finished them)."""
+    gone = []
+    for eco in ecos:
+        rid = getattr(eco, "request_id", None)
+        if isinstance(rid, str) and rid not in states:
+            gone.append(rid)
+    return gone
 
 
 def _error_output(req_state: RequestState, eco: EngineCoreOutput,
@@ -341,11 +354,12 @@ def _failed_output(req_state: RequestState, message: str) -> Any:
     return _terminal_error_output(req_state, completion, error)
 
 
-def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_output_offset: int) -> None:
+def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_output_offset: int) -> Any:
     """Replay a native request's output ids into its (untouched) stock
-    detokenizer, so vLLM's Python code can continue it. The stock update runs
-    token by token exactly as it would have; stop strings are not re-checked
-    (none matched, or the request would have finished)."""
+    detokenizer, so vLLM's Python code can continue it, and return that
+    detokenizer. The stock update runs token by token exactly as it would have;
+    stop strings are not re-checked (none matched, or the request would have
+    finished)."""
     detok = req_state.detokenizer
     assert detok is not None
     if output_token_ids:
@@ -359,6 +373,7 @@ def _adopt_native(req_state: RequestState, output_token_ids: list[int], last_out
                 detok.stop = stop
     if hasattr(detok, "_last_output_text_offset"):
         detok._last_output_text_offset = last_output_offset
+    return detok
 
 
 # ------------------------------------------------------------ native vocabulary

@@ -222,20 +222,13 @@ impl OutputCore {
 
                 // Pre-pass: every missing hash of this step is invalidated in P0's sender
                 // cache, once, before any output of the step is published.
-                let mut with_misses: Vec<Bound<'py, PyAny>> = Vec::new();
-                for eco in ecos.iter() {
-                    let m = self.eco.get(&self.eco.view(&eco), F::MmCacheMissHashes)?;
-                    if !m.is_none() && m.is_truthy()? {
-                        for h in m.try_iter()? {
-                            let h = h?;
-                            let h = h.cast::<PyString>().map_err(|_| {
-                                PyTypeError::new_err("mm_cache_miss_hashes must hold str")
-                            })?;
-                            self.misses.add(h.to_str()?);
-                        }
-                        with_misses.push(eco);
+                let with_misses = match self.collect_misses(&ecos) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        self.misses.clear(); // not to be invalidated by a later step
+                        return Err(e);
                     }
-                }
+                };
                 self.invalidate_misses(py)?;
 
                 let decode = if self.native_stats && !its.is_none() {
@@ -262,6 +255,15 @@ impl OutputCore {
                     }
                     self.flush_stock(py, &cx)
                 })();
+                // vLLM's code raises at the failing output having processed the ones
+                // before it: so do the stock-owned outputs still waiting here.
+                let result = match result {
+                    Err(e) if !self.stock_batch.is_empty() => Err(self
+                        .flush_stock(py, &cx)
+                        .err()
+                        .unwrap_or(e)),
+                    r => r,
+                };
                 self.step_sibling_aborts.clear();
                 self.stock_batch.clear();
                 let flushed = match &decode {

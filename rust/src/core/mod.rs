@@ -468,6 +468,38 @@ macro_rules! s {
     };
 }
 
+/// What an output's `finish_reason` is to the core.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Finish {
+    /// None: the request goes on.
+    Running,
+    /// One of vLLM's `FinishReason` members, by code.
+    Member(i64),
+    /// Any other value (an int, a str, ...): vLLM's code makes its `str()` the
+    /// output's finish reason, so such an output is left to that code.
+    Foreign,
+}
+
+impl Classes {
+    fn finish_of(&self, fr: &Bound<'_, PyAny>) -> Finish {
+        if fr.is_none() {
+            return Finish::Running;
+        }
+        // The members are singletons: identity tells a member from an equal int.
+        match fr.extract::<i64>() {
+            Ok(code)
+                if usize::try_from(code)
+                    .ok()
+                    .and_then(|i| self.finish_objs.get(i))
+                    .is_some_and(|m| m.is(fr)) =>
+            {
+                Finish::Member(code)
+            }
+            _ => Finish::Foreign,
+        }
+    }
+}
+
 fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     if fr.is_none() {
         return Ok(None);

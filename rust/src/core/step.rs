@@ -5,6 +5,14 @@
 use super::stats::record_plain_decode;
 use super::*;
 
+/// `stock_step`'s answer: (outputs, aborts, ids it finished, what it raised).
+type StockStepped<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Vec<String>,
+    Option<Bound<'py, PyAny>>,
+);
+
 impl OutputCore {
     /// Write the Rust-owned mutable fields back into the stock RequestState.
     /// (A stock-owned request's state is the stock processor's: nothing to write.)
@@ -84,16 +92,18 @@ impl OutputCore {
 
 impl Helpers {
     /// Bring the stock detokenizer of a native request up to date (replaying its
-    /// ids), so vLLM's Python code can take over. The request stays as it is.
-    pub(super) fn adopt(&self, py: Python<'_>, req: &Req) -> PyResult<()> {
-        if let Mode::Fast(f) = &req.mode {
+    /// ids), so vLLM's Python code can take over; from then on the request
+    /// detokenizes with it, so its ids are never replayed twice.
+    pub(super) fn adopt(&self, py: Python<'_>, req: &mut Req) -> PyResult<()> {
+        if let Mode::Fast(f) = &mut req.mode {
             if let Detok::Native(nd) = &f.detok {
                 let ids = PyList::new(py, nd.st.output_token_ids())?;
-                self.adopt_native.bind(py).call1((
+                let detok = self.adopt_native.bind(py).call1((
                     req.state.bind(py),
                     ids,
                     nd.st.last_output_offset(),
                 ))?;
+                f.detok = Detok::Python(detok.unbind());
             }
         }
         Ok(())
@@ -188,6 +198,29 @@ impl OutputCore {
             }
         }
         Ok(())
+    }
+
+    /// Add every missing hash of the step's outputs to the miss set; the outputs
+    /// that carry some.
+    pub(super) fn collect_misses<'py>(
+        &mut self,
+        ecos: &Bound<'py, PyList>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut with_misses = Vec::new();
+        for eco in ecos.iter() {
+            let m = self.eco.get(&self.eco.view(&eco), F::MmCacheMissHashes)?;
+            if !m.is_none() && m.is_truthy()? {
+                for h in m.try_iter()? {
+                    let h = h?;
+                    let h = h.cast::<PyString>().map_err(|_| {
+                        PyTypeError::new_err("mm_cache_miss_hashes must hold str")
+                    })?;
+                    self.misses.add(h.to_str()?);
+                }
+                with_misses.push(eco);
+            }
+        }
+        Ok(with_misses)
     }
 
     pub(super) fn invalidate_misses(&mut self, py: Python<'_>) -> PyResult<()> {
@@ -300,9 +333,14 @@ impl OutputCore {
             return Ok(());
         };
 
+        let fr_obj = self.eco.get(&ev, F::FinishReason)?;
+        let finish = self.cls.finish_of(&fr_obj);
+
         // Per-output features that only vLLM's Python objects implement.
         if matches!(self.table.get(slot).unwrap().mode, Mode::Fast(_)) {
-            let reason = if !self.eco.get(&ev, F::RoutedExperts)?.is_none() {
+            let reason = if finish == Finish::Foreign {
+                Some("finish_reason_type")
+            } else if !self.eco.get(&ev, F::RoutedExperts)?.is_none() {
                 Some("routed_experts")
             } else if !self.eco.get(&ev, F::NewSamplingMask)?.is_none() {
                 Some("sampling_mask")
@@ -321,9 +359,7 @@ impl OutputCore {
             }
         }
 
-        let fr_obj = self.eco.get(&ev, F::FinishReason)?;
-        let fr = finish_code(&fr_obj)?;
-        let miss = fr == Some(self.cls.finish.error) && {
+        let miss = finish == Finish::Member(self.cls.finish.error) && {
             let m = self.eco.get(&ev, F::MmCacheMissHashes)?;
             !m.is_none() && m.is_truthy()?
         };
@@ -348,8 +384,6 @@ impl OutputCore {
             }
         };
         if miss {
-            let req = self.table.get(slot).unwrap();
-            self.take_back_if_stock(py, req)?;
             return self.step_miss(py, slot, eco, cx, rid_s, &fr_obj);
         }
         self.step_fast(py, slot, &ev, fr_obj, cx, rid_s)
@@ -369,18 +403,21 @@ impl OutputCore {
             cx.iteration_stats,
             cx.weight_version,
         ))?;
-        let (outs, aborts, gone): (Bound<'py, PyAny>, Bound<'py, PyAny>, Vec<String>) =
-            r.extract()?;
+        let (outs, aborts, gone, error): StockStepped<'py> = r.extract()?;
+        // Forget what vLLM's code finished even when it raised after finishing it.
+        for rid in gone {
+            if let Some(req) = self.table.remove(&rid) {
+                self.forget_parent_if_done(py, &req)?;
+            }
+        }
+        if let Some(e) = error {
+            return Err(PyErr::from_value(e));
+        }
         for o in outs.try_iter()? {
             cx.outs.append(o?)?;
         }
         for a in aborts.try_iter()? {
             cx.aborts.append(a?)?;
-        }
-        for rid in gone {
-            if let Some(req) = self.table.remove(&rid) {
-                self.forget_parent_if_done(py, &req)?;
-            }
         }
         Ok(())
     }
@@ -402,7 +439,7 @@ impl OutputCore {
             aborts,
             ..
         } = *cx;
-        let req = self.table.get(slot).unwrap();
+        let req = self.table.get_mut(slot).unwrap();
         Self::sync_state(&self.cls, py, req)?;
         self.helpers.adopt(py, req)?;
         // The error output is built by vLLM-aware Python code (rare path); it
@@ -416,6 +453,8 @@ impl OutputCore {
             self.lora_states.bind(py),
         ))?;
         let req = self.table.get(slot).unwrap();
+        // Only now: had the output failed, the request would stay vLLM's to step.
+        self.take_back_if_stock(py, req)?;
         let parent = req.parent.as_ref().map(|p| p.clone_ref(py));
         if let Some(p) = &parent {
             // Take this child out of the parent before aborting its siblings.
