@@ -110,3 +110,32 @@ def test_run_batch_embeddings_keep_their_own_503(server: InProcessServer) -> Non
                                  BatchProgressTracker()))
     assert fault.hits and len(server.faults.submitted) == 1  # no retry outside HTTP
     assert out.response.status_code == 503
+
+
+def _image_content(seed: int) -> dict[str, Any]:
+    return {"content": [{"type": "image_url", "image_url": {"url": png_data_url(seed)}}]}
+
+
+OTHER_POOLING = {
+    "/v1/score": lambda s: {"queries": "an image", "documents": _image_content(s)},
+    "/v1/rerank": lambda s: {"query": "an image", "documents": _image_content(s)},
+    "/pooling": lambda s: {"messages": image_messages("an image", s)},
+}
+
+
+@pytest.mark.parametrize("path", sorted(OTHER_POOLING))
+def test_score_rerank_and_pooling_keep_vllms_error_handling(server: InProcessServer, path: str) -> None:
+    """They share PoolingBaseServing's entry with embeddings but are not retried: one
+    submission, no retry logged, vLLM's own error answer."""
+    ok = server.run(server.client.post(path, json={"model": server.model, **OTHER_POOLING[path](7)}))
+    assert ok.status_code == 200, ok.text
+    server.faults.clear()
+    fault = server.faults.add(Fault("", times=10))  # every request of the call misses
+    with retry_log_lines() as log:
+        resp = server.run(server.client.post(path, json={"model": server.model,
+                                                         **OTHER_POOLING[path](8)}))
+    assert fault.hits, "the fault did not reach the engine output"
+    assert log == []
+    submitted = server.faults.submitted
+    assert len(set(submitted)) == len(submitted), submitted  # a retry resubmits an id
+    assert resp.status_code >= 500, resp.text

@@ -197,12 +197,14 @@ class _ErrorTap:
             await self.results.aclose()
 
 
-def _wrap_pooling(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_pooling(original: Callable[..., Any], retried: tuple[type[Any], ...]) -> Callable[..., Any]:
     retryable = adapter().retryable_request_error()
 
     @functools.wraps(original)
     async def pooling_call(self: Any, request: Any, raw_request: Any = None) -> Any:
-        if raw_request is None:  # not an API-server HTTP request (e.g. run_batch)
+        # Not an API-server HTTP request (e.g. run_batch), or a pooling task that keeps
+        # vLLM's own error handling (score, rerank, classify, /pooling).
+        if raw_request is None or not isinstance(self, retried):
             return await original(self, request, raw_request)
         source = _copy(request)
         where = _endpoint(raw_request, type(self).__name__)
@@ -302,7 +304,7 @@ def install() -> list[str]:
             orig(s.completion_serving, s.completion_entry), "/v1/completions",
             adapter().render_completion)),
         _patching.patch_attr(s.pooling_serving, s.pooling_entry, _wrap_pooling(
-            orig(s.pooling_serving, s.pooling_entry))),
+            orig(s.pooling_serving, s.pooling_entry), s.pooling_retried)),
         _patching.patch_attr(s.error_handlers, s.error_handler,
                              _wrap_error_handler(orig(s.error_handlers, s.error_handler))),
         _patching.patch_attr(sse_module, sse_name,

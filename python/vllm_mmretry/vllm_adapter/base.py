@@ -264,6 +264,9 @@ class RetrySeams:
     pooling_entry: str = "__call__"
     generate: str = "generate"
     error_handler: str = "generation_error_handler"
+    # The pooling servings whose calls retry (embeddings, /v2/embed); the others that
+    # share the entry (score, rerank, classify, /pooling) keep vLLM's error handling.
+    pooling_retried: tuple[type[Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1136,11 +1136,12 @@ class Adapter(VllmAdapter):
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
+        from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
         from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
         from vllm.v1.engine.async_llm import AsyncLLM
 
         return RetrySeams(OpenAIServingChat, OpenAIServingCompletion, PoolingBaseServing,
-                          AsyncLLM, vllm_error)
+                          AsyncLLM, vllm_error, pooling_retried=(ServingEmbedding,))
 
     # AsyncLLM.generate(prompt, sampling_params, request_id, *, ...)
     @staticmethod
