@@ -57,13 +57,13 @@ def test_tiny_model_text_report(tiny_model_path: str) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1] == "vllm-mmretry doctor: all is well"
     by_name = {line.split()[2]: line for line in lines[:-1]}
-    assert set(by_name) == {"vllm", "plugin", "native_core", "receive", "native_decode", "native_metrics",
-                            "catchup_records", "tokenizer", "mm_cache"}
+    assert set(by_name) == {"vllm", "plugin", "native_core", "settings", "receive", "native_decode",
+                            "native_metrics", "catchup_records", "tokenizer", "mm_cache"}
     assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
     assert f"vLLM {installed_vllm_version()} is supported" in by_name["vllm"]
     assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
     assert "lru with 1 API server(s)" in by_name["mm_cache"]
-    assert "drift possible" in by_name["mm_cache"]
+    assert "drift possible; the plugin recovers from a P1 miss" in by_name["mm_cache"]
 
 
 def test_tiny_model_json_report_for_two_api_servers(tiny_model_path: str) -> None:
@@ -202,3 +202,41 @@ def test_native_metrics_check_follows_its_switch_and_self_check(monkeypatch: pyt
     monkeypatch.setenv(prom.ENV_SWITCH, "off")
     check = doctor.check_native_metrics()
     assert check.status == "warn" and prom.ENV_SWITCH in check.summary
+
+
+def test_plugin_switched_off_claims_nothing_for_it(tiny_model_path: str) -> None:
+    """VLLM_MMRETRY=0: nothing the plugin would do is reported as working."""
+    proc = doctor("doctor", tiny_model_path, VLLM_MMRETRY="0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "vllm-mmretry doctor: works, with warnings (above)"
+    by_name = {line[len("[WARN] "):].split()[0]: line for line in lines[:-1]}
+    assert by_name["plugin"].startswith("[WARN]")
+    for name in ("settings", "receive", "native_decode", "native_metrics", "catchup_records",
+                 "tokenizer"):
+        assert by_name[name].startswith("[SKIP]") and "the plugin will not run" in by_name[name]
+    assert "with the plugin off a P1 miss fails the request" in by_name["mm_cache"]
+
+
+@pytest.mark.parametrize("env, what", [
+    ({"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "2"}, "VLLM_MMRETRY_RETRY_BUDGET_RATIO='2'"),
+    ({"VLLM_MMRETRY_FAULTS": "p1_miss=bogus"}, "VLLM_MMRETRY_FAULTS='p1_miss=bogus'"),
+])
+def test_settings_serve_refuses_fail_the_doctor(tiny_model_path: str, env: dict[str, str],
+                                                what: str) -> None:
+    """`vllm serve` stops at start-up on these: the doctor says so, without a traceback."""
+    status, r = report("doctor", **env)
+    assert status == 1 and r["checks"]["settings"]["status"] == "fail"
+    assert what in r["checks"]["settings"]["summary"]
+    proc = doctor("doctor", tiny_model_path, **env)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "[FAIL] serve_args" in proc.stdout and what in proc.stdout
+
+
+def test_fault_injection_is_a_warning() -> None:
+    status, r = report("doctor", VLLM_MMRETRY_FAULTS="p1_miss=every:3")
+    assert status == 0 and r["checks"]["settings"]["status"] == "warn"
+    assert "test-only" in r["checks"]["settings"]["summary"]
+    assert r["checks"]["settings"]["details"]["retry_budget"] == {
+        "ratio": 0.2, "min_retries": 100, "window_s": 10.0}

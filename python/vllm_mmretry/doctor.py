@@ -40,7 +40,7 @@ DISTRIBUTION = "vllm-mmretry"
 LAYOUTS: dict[str | None, tuple[str, bool]] = {
     "lru": ("P0 (API server) keeps a metadata-only LruKeyReplicatedSenderCache, P1 "
             "(engine core) the tensors in an LruKeyReplicatedReceiverCache: the split "
-            "that can drift; the plugin recovers from a P1 miss", True),
+            "that can drift", True),
     "shm": ("the API server writes items into a shared-memory object store "
             "(ShmObjectStoreSenderCache) that the worker reads "
             "(ShmObjectStoreReceiverCache); the sender owns the store", False),
@@ -103,6 +103,31 @@ def check_plugin_loading() -> Check:
     return Check("plugin", OK, "vLLM will load the plugin in every process "
                  f"({'all plugins allowed' if allowed is None else 'listed in VLLM_PLUGINS'})",
                  details)
+
+
+def check_settings() -> Check:
+    """The plugin's own settings, which `vllm serve` refuses at start-up when invalid."""
+    from vllm_mmretry import budget, faults
+
+    errors = []
+    try:
+        config = budget.config_from_env()
+    except budget.BudgetConfigError as exc:
+        errors.append(str(exc))
+    try:
+        plan = faults.parse(os.environ.get(faults.ENV, ""))
+    except faults.FaultConfigError as exc:
+        errors.append(str(exc))
+    if errors:
+        return Check("settings", FAIL, "vllm serve would stop at start-up: " + "; ".join(errors),
+                     {"errors": errors})
+    details = {"retry_budget": asdict(config), "faults": plan.spec if plan else None}
+    summary = (f"retry budget: {config.ratio:g} of requests, at least {config.min_retries} "
+               f"retries per {config.window_s:g} s")
+    if plan is not None:
+        return Check("settings", WARN, f"{summary}; {faults.ENV}={plan.spec!r}: test-only "
+                     "multimodal cache misses are injected", details)
+    return Check("settings", OK, summary, details)
 
 
 def check_native_core() -> Check:
@@ -238,7 +263,8 @@ def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Chec
                  f"({details['vocab_size']} tokens) runs on the native detokenizer", details)
 
 
-def check_cache_layout(target: str | None, args: argparse.Namespace | None) -> Check:
+def check_cache_layout(target: str | None, args: argparse.Namespace | None,
+                       plugin_on: bool = True) -> Check:
     if target is None or args is None:
         return Check("mm_cache", SKIP, "no model given")
     if os.path.isdir(target) and not os.path.exists(os.path.join(target, "config.json")):
@@ -253,8 +279,14 @@ def check_cache_layout(target: str | None, args: argparse.Namespace | None) -> C
     details = {"cache_type": cache_type, "api_servers": api_servers, "drift_possible": drift,
                "layout": description}
     name = cache_type or "none"
+    if not drift:
+        after = "drift not possible"
+    elif plugin_on:
+        after = "drift possible; the plugin recovers from a P1 miss"
+    else:
+        after = "drift possible; with the plugin off a P1 miss fails the request, as in stock vLLM"
     return Check("mm_cache", OK, f"{name} with {api_servers} API server(s): {description}; "
-                 f"drift {'possible' if drift else 'not possible'}", details)
+                 f"{after}", details)
 
 
 # ------------------------------------------------------- vLLM seams
@@ -297,6 +329,12 @@ def _load_tokenizer(source: str, mode: str, trust_remote_code: bool) -> Any:
 # ------------------------------------------------------------------ report
 
 
+# What the plugin would do in a running server: nothing when it is off or not loaded.
+PLUGIN_FEATURES: list[Callable[[], Check]] = [
+    check_settings, check_receive, check_native_decode, check_native_metrics,
+    check_catchup_records]
+
+
 def run_checks(target: str | None, flags: list[str]) -> list[Check]:
     checks = [check_vllm(), check_plugin_loading(), check_native_core()]
     if checks[0].status == FAIL:
@@ -304,10 +342,10 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
             checks.append(Check("tokenizer", SKIP, "needs a supported vLLM"))
             checks.append(Check("mm_cache", SKIP, "needs a supported vLLM"))
         return checks
-    checks.append(check_receive())
-    checks.append(check_native_decode())
-    checks.append(check_native_metrics())
-    checks.append(check_catchup_records())
+    plugin_on = checks[1].status == OK
+    off = f"the plugin will not run: {checks[1].summary}"
+    for feature in PLUGIN_FEATURES:
+        checks.append(feature() if plugin_on else Check(feature.__name__[len("check_"):], SKIP, off))
     args = None
     if target is not None:
         try:
@@ -315,8 +353,13 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
         except SystemExit:
             checks.append(Check("serve_args", FAIL, f"vllm serve rejects the flags {flags}"))
             return checks
-    checks.append(check_tokenizer(target, args))
-    checks.append(check_cache_layout(target, args))
+        except Exception as exc:  # noqa: BLE001 - e.g. a plugin that refuses its settings
+            checks.append(Check("serve_args", FAIL, f"vllm serve fails before it starts: {exc}",
+                                {"error": repr(exc)}))
+            return checks
+    checks.append(check_tokenizer(target, args) if plugin_on or target is None
+                  else Check("tokenizer", SKIP, off))
+    checks.append(check_cache_layout(target, args, plugin_on))
     return checks
 
 
@@ -327,7 +370,12 @@ def exit_status(checks: list[Check]) -> int:
 def render_text(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     lines = [f"[{c.status.upper():4}] {c.name:<{width}}  {c.summary}" for c in checks]
-    verdict = "problems found" if exit_status(checks) else "all is well"
+    if exit_status(checks):
+        verdict = "problems found"
+    elif any(c.status == WARN for c in checks):
+        verdict = "works, with warnings (above)"
+    else:
+        verdict = "all is well"
     lines.append(f"vllm-mmretry doctor: {verdict}")
     return "\n".join(lines)
 
