@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from retry_support import Fault, InProcessServer, image_messages, in_process_server, retry_log_lines
+from retry_support import Fault, InProcessServer, image_messages, in_process_server, png_data_url, retry_log_lines
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
@@ -144,6 +144,46 @@ def test_second_failure_streaming_is_an_error_event(server: InProcessServer, pat
     assert [e["code"] for e in errors] == [503]
     assert events[-1] == "[DONE]"
     assert len(server.faults.submitted) == 2
+
+
+MESSAGES = "/v1/messages"
+
+
+def messages_body(seed: int = 0) -> dict[str, Any]:
+    """An Anthropic Messages request with an image (vLLM serves it with the chat handler)."""
+    image = {"type": "image", "source": {"type": "url", "url": png_data_url(seed)}}
+    return {"max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
+
+
+def test_messages_route_recovers_a_miss(server: InProcessServer, retry_log: list[str]) -> None:
+    reference = server.post(MESSAGES, messages_body())
+    assert reference.status_code == 200, reference.text
+    server.faults.clear()
+    fault = server.faults.add(Fault(""))
+    got = server.post(MESSAGES, messages_body())
+    assert got.status_code == 200, got.text
+    assert got.json()["content"] == reference.json()["content"]
+    assert len(fault.hits) == 1 and server.faults.renders == [False, True]
+    assert sum("vllm-mmretry: retrying" in line and MESSAGES in line for line in retry_log) == 1
+
+
+def test_messages_route_second_failure_is_503_with_retry_headers(server: InProcessServer) -> None:
+    """vLLM's Anthropic router answers errors itself (not through vLLM's error handler):
+    its 503 still carries the retry headers."""
+    server.faults.add(Fault("", times=2))
+    resp = server.post(MESSAGES, messages_body(1))
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["retry-after"] == "1" and resp.headers["x-should-retry"] == "true"
+    assert resp.json()["type"] == "error"  # vLLM's Anthropic error body
+    assert len(server.faults.submitted) == 2
+
+
+def test_messages_route_other_errors_keep_vllms_answer(server: InProcessServer) -> None:
+    server.faults.add(Fault("", kind="fatal"))
+    resp = server.post(MESSAGES, messages_body(2))
+    assert resp.status_code == 500, resp.text
+    assert "retry-after" not in resp.headers and "x-should-retry" not in resp.headers
 
 
 @pytest.mark.parametrize("path", [CHAT, CMPL])

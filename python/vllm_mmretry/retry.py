@@ -257,6 +257,37 @@ def _wrap_error_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     return generation_error_handler
 
 
+# The error answer a self-answering route built from this package's retryable error
+# (the route builds it, then translates it, in the same task).
+_RETRYABLE_ANSWER: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "vllm_mmretry_retryable_answer", default=None)
+
+
+def _wrap_router_error_response(original: Callable[..., Any]) -> Callable[..., Any]:
+    retryable = adapter().retryable_request_error()
+
+    @functools.wraps(original)
+    def error_response(exc: Any, *args: Any, **kwargs: Any) -> Any:
+        response = original(exc, *args, **kwargs)
+        if isinstance(exc, retryable):
+            _RETRYABLE_ANSWER.set(response)
+        return response
+
+    return error_response
+
+
+def _wrap_router_translate_error(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def translate_error(response: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = original(response, *args, **kwargs)
+        if response is not None and _RETRYABLE_ANSWER.get() is response:
+            _RETRYABLE_ANSWER.set(None)
+            answer.headers.update(RETRY_HEADERS)
+        return answer
+
+    return translate_error
+
+
 def _vllm_error_in(exc: BaseException) -> Exception | None:
     """The vLLM error `exc` was raised while handling, if the chain still says so."""
     seen: BaseException | None = exc
@@ -309,4 +340,20 @@ def install() -> list[str]:
                              _wrap_error_handler(orig(s.error_handlers, s.error_handler))),
         _patching.patch_attr(sse_module, sse_name,
                              _wrap_responses_sse(orig(sse_module, sse_name))),
+        *_patch_self_answering_router(s),
+    ]
+
+
+def _patch_self_answering_router(s: Any) -> list[str]:
+    """The retry headers on the second failure of routes that answer errors themselves
+    (vLLM's Anthropic router: /v1/messages), which vLLM's error handler never sees."""
+    router = s.self_answering_router
+    if router is None:
+        return []
+    orig = _patching.original
+    return [
+        _patching.patch_attr(router, s.router_error_response, _wrap_router_error_response(
+            orig(router, s.router_error_response))),
+        _patching.patch_attr(router, s.router_translate_error, _wrap_router_translate_error(
+            orig(router, s.router_translate_error))),
     ]

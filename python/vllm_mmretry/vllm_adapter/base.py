@@ -267,6 +267,11 @@ class RetrySeams:
     # The pooling servings whose calls retry (embeddings, /v2/embed); the others that
     # share the entry (score, rerank, classify, /pooling) keep vLLM's error handling.
     pooling_retried: tuple[type[Any], ...] = ()
+    # The module whose routes answer errors themselves (Anthropic /v1/messages): an
+    # exception becomes `error_response(exc)`, sent as `translate_error(that)`.
+    self_answering_router: Any = None
+    router_error_response: str = "create_error_response"
+    router_translate_error: str = "translate_error_response"
 
 
 @dataclass(frozen=True)

@@ -1133,6 +1133,7 @@ class Adapter(VllmAdapter):
 
     # --- serving-layer retry (retry.py) -------------------------------------
     def retry_seams(self) -> RetrySeams:
+        from vllm.entrypoints.anthropic import api_router as anthropic_router
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
@@ -1141,7 +1142,8 @@ class Adapter(VllmAdapter):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         return RetrySeams(OpenAIServingChat, OpenAIServingCompletion, PoolingBaseServing,
-                          AsyncLLM, vllm_error, pooling_retried=(ServingEmbedding,))
+                          AsyncLLM, vllm_error, pooling_retried=(ServingEmbedding,),
+                          self_answering_router=anthropic_router)
 
     # AsyncLLM.generate(prompt, sampling_params, request_id, *, ...)
     @staticmethod
