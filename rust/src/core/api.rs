@@ -258,10 +258,9 @@ impl OutputCore {
                 // vLLM's code raises at the failing output having processed the ones
                 // before it: so do the stock-owned outputs still waiting here.
                 let result = match result {
-                    Err(e) if !self.stock_batch.is_empty() => Err(self
-                        .flush_stock(py, &cx)
-                        .err()
-                        .unwrap_or(e)),
+                    Err(e) if !self.stock_batch.is_empty() => {
+                        Err(self.flush_stock(py, &cx).err().unwrap_or(e))
+                    }
                     r => r,
                 };
                 self.step_sibling_aborts.clear();

@@ -212,9 +212,9 @@ impl OutputCore {
             if !m.is_none() && m.is_truthy()? {
                 for h in m.try_iter()? {
                     let h = h?;
-                    let h = h.cast::<PyString>().map_err(|_| {
-                        PyTypeError::new_err("mm_cache_miss_hashes must hold str")
-                    })?;
+                    let h = h
+                        .cast::<PyString>()
+                        .map_err(|_| PyTypeError::new_err("mm_cache_miss_hashes must hold str"))?;
                     self.misses.add(h.to_str()?);
                 }
                 with_misses.push(eco);
