@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import msgspec
 import numpy as np
 import pytest
 from engine_outputs_support import decode_both, reader
@@ -240,3 +241,36 @@ def test_recorded_engine_messages_decode_as_vllm_decodes(tiny_model_path: str, t
     # The recording holds what the test says it compares.
     assert all(kinds.values()), kinds
     assert native >= len(recorded) // 2, (native, len(recorded))
+
+
+@pytest.mark.parametrize("fields", [[None, []], [0, [], None, None]],
+                         ids=["nil-engine_index", "nil-timestamp"])
+def test_nil_in_non_optional_top_field_gives_vllms_error(fields: list[object]) -> None:
+    """engine_index: int and timestamp: float take no None: vLLM's decoder raises."""
+    raw = msgspec.msgpack.encode(fields)
+    vllm, native, ours = decode_both([raw])
+    assert vllm[0] == "raised"  # msgspec: Expected `int`/`float`, got `null`
+    assert native[:2] == vllm[:2], (ours.native, native[2] if native[0] == "decoded" else native)
+
+
+def test_utility_reply_array_is_writable_as_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A utility reply carrying a small ndarray (collective_rpc with insecure
+    serialization), in the zmq.Frame the output task hands the decoder: vLLM's
+    decoder gives a writable array over the frame, and so does the native path,
+    which hands vLLM's field decoder a writable copy of the field."""
+    import zmq
+    from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
+
+    from vllm_mmretry.receive import NativeOutputsDecoder
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    msg = EngineCoreOutputs(outputs=[], timestamp=1.0,
+                            utility_output=UtilityOutput(7, result=UtilityResult(np.arange(4, dtype=np.int32))))
+    frames = [zmq.Frame(bytes(MsgpackEncoder().encode(msg)[0]))]
+    want = MsgpackDecoder(EngineCoreOutputs).decode(frames).utility_output.result.result
+    ours = NativeOutputsDecoder(MsgpackDecoder(EngineCoreOutputs), reader())
+    got = ours.decode(frames).utility_output.result.result
+    assert ours.native == 1
+    assert (got == want).all()
+    assert got.flags.writeable == want.flags.writeable, (got.flags.writeable, want.flags.writeable)

@@ -5,7 +5,7 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyString, PyTuple, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyString, PyTuple, PyType};
 
 use super::{read, Kind, Layout, Val};
 use crate::core::guarded;
@@ -167,9 +167,13 @@ impl OutputsReader {
             top.push(
                 match (i == self.layout.outputs_at, raw, &self.field_decoders[i]) {
                     (true, _, _) => outputs.clone().into_any(),
+                    // A nil where the field's type takes no None: vLLM's decoder's error.
+                    (false, None, _) if !self.top_none_default[i] => return Ok(None),
                     (false, None, _) => py.None().into_bound(py),
+                    // A writable copy: vLLM decodes from the (writable) frame, and arrays
+                    // it decodes in place share that buffer.
                     (false, Some(raw), Some(decode)) => {
-                        decode.bind(py).call1((PyBytes::new(py, raw),))?
+                        decode.bind(py).call1((PyByteArray::new(py, raw),))?
                     }
                     (false, Some(_), None) => return Ok(None),
                 },
