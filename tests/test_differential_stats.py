@@ -281,3 +281,43 @@ def test_same_stats_as_stock(
     assert ours.op.abort_requests(externals, internal=False) == stock.op.abort_requests(externals, internal=False)
     compare_live()
     assert not ours.op.has_unfinished_requests() and not stock.op.has_unfinished_requests()
+
+
+@dataclass
+class RemotePrefillSpec(ReqSpec):
+    """A decode instance's request whose prompt was prefilled remotely (2 tokens cached)."""
+
+    def sampling_params(self) -> SamplingParams:
+        sp = super().sampling_params()
+        sp.extra_args = {"kv_transfer_params": {"do_remote_prefill": True,
+                                                "remote_prefill_cached_tokens": 2}}
+        return sp
+
+
+@pytest.mark.parametrize("remote", [True, False], ids=["remote-prefill", "prefill-stats"])
+@pytest.mark.parametrize("kind", [None, "logprobs"], ids=["fast", "stock-owned"])
+def test_miss_on_the_first_output_ends_prefill_as_stock(tiny_tokenizer: Any, remote: bool,
+                                                        kind: str | None) -> None:
+    """A miss error as a request's first output: its cached-token counts (remote, or
+    the engine's prefill statistics) are in its finished statistics and its output."""
+    toks = tiny_tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    spec_cls = RemotePrefillSpec if remote else ReqSpec
+    logprobs = 1 if kind else None
+    prefill = None
+    if not remote:
+        prefill = PrefillStats()
+        prefill.set(3, 2, 1)
+        prefill.finalize(2)
+    forms, outs = [], []
+    for op in (StockOP(tiny_tokenizer, log_stats=True), OurOP(tiny_tokenizer, log_stats=True)):
+        side = Side(op, True)
+        side.add(spec_cls("r0", "e0", toks[:3], logprobs=logprobs))
+        its = new_iteration_stats()
+        side.step([eco("r0", [], finish=FinishReason.ERROR, mm_cache_miss_hashes=["h"],
+                       prefill_stats=prefill)], ts=5000.0, stats=its)
+        forms.append(iteration_stats_form(its))
+        outs.append([dict(norm(o)[1])["num_cached_tokens"] for o in side.drain().values()])
+    assert forms[1] == forms[0]
+    cached = 2 if prefill is None else prefill.num_cached_tokens
+    assert cached > 0
+    assert outs[1] == outs[0] == [cached]  # the rest differs on purpose: ours carries the error

@@ -267,12 +267,25 @@ def _gone(ecos: list[EngineCoreOutput], states: dict[str, Any]) -> list[str]:
     return gone
 
 
+def _end_prefill(req_state: RequestState, eco: EngineCoreOutput) -> None:
+    """`process_outputs`' end of a request's prefill (its cached-token counts), after
+    the iteration statistics and before the request's output, as there."""
+    if not req_state.is_prefilling:
+        return
+    if eco.prefill_stats is not None:
+        req_state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
+        req_state.num_cache_creation_tokens = eco.prefill_stats.num_cache_creation_tokens
+    if req_state.remote_prefill_cached_tokens is not None:
+        req_state.num_cached_tokens = req_state.remote_prefill_cached_tokens
+    req_state.is_prefilling = False
+
+
 def _error_output(req_state: RequestState, eco: EngineCoreOutput,
                   weight_version: str | None) -> RequestOutput:
     """The one terminal output of a generation request whose multimodal inputs
     were missing in the engine's cache (for n>1: of its parent); its iteration
     statistics were updated by vLLM's own code (`StockSide.error_output`)."""
-    req_state.is_prefilling = False
+    _end_prefill(req_state, eco)
     detok = req_state.detokenizer
     assert detok is not None and req_state.logprobs_processor is not None
     if eco.new_token_ids:

@@ -452,6 +452,7 @@ impl OutputCore {
             weight_version,
             self.lora_states.bind(py),
         ))?;
+        Self::pull_prefill_end(&self.cls, py, self.table.get_mut(slot).unwrap())?;
         let req = self.table.get(slot).unwrap();
         // Only now: had the output failed, the request would stay vLLM's to step.
         self.take_back_if_stock(py, req)?;
@@ -637,6 +638,22 @@ impl OutputCore {
                 p.num_cache_creation_tokens.clone_ref(py),
             );
         }
+        Ok(())
+    }
+
+    /// Take the end of prefill the error output's Python code made on the request's
+    /// state (its cached-token counts), so that writing the progress back keeps it.
+    fn pull_prefill_end(cls: &Classes, py: Python<'_>, req: &mut Req) -> PyResult<()> {
+        if !matches!(req.mode, Mode::Fast(_)) || !req.progress.is_prefilling {
+            return Ok(());
+        }
+        let st = req.state.bind(py);
+        let p = &mut req.progress;
+        p.num_cached_tokens = st.getattr(cls.obj.num_cached_tokens.bind(py))?.unbind();
+        p.num_cache_creation_tokens = st
+            .getattr(cls.obj.num_cache_creation_tokens.bind(py))?
+            .unbind();
+        p.is_prefilling = st.getattr(cls.obj.is_prefilling.bind(py))?.is_truthy()?;
         Ok(())
     }
 
