@@ -323,6 +323,59 @@ def test_ready_first_receives_the_frames_pyzmq_receives(
     assert len(read_by_frames) == (0 if copy else len(messages))
 
 
+def _as_native(sock: Any) -> None:
+    assert receive.make_natively_received(sock)
+
+
+async def cancelled_as_it_arrives(prepare: Any) -> str:
+    """A receive that waits, whose message arrives in the same loop turn as its
+    cancellation (the loop is blocked while the message comes in and the cancelling
+    timer falls due, as with `asyncio.wait_for`): where the message ends up."""
+    import time
+
+    ctx, sync_ctx = zmq.asyncio.Context(), zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = sync_ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    if prepare is not None:
+        prepare(pull)
+    try:
+        receiving = pull.recv_multipart(copy=False)
+        waiting = asyncio.ensure_future(receiving)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        asyncio.get_running_loop().call_later(0.01, waiting.cancel)
+        push.send(b"m")
+        time.sleep(0.2)  # blocks the loop: the message comes in, the timer falls due
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if not waiting.cancelled():
+            return "kept by the cancelled receive"
+        try:
+            await asyncio.wait_for(pull.recv_multipart(copy=False), 2)
+            return "left for the next receive"
+        except TimeoutError:
+            return "lost"
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        sync_ctx.term()
+        ctx.term()
+
+
+@pytest.mark.parametrize("prepare, kept", [
+    (None, "kept by the cancelled receive"),  # pyzmq's Future has the message
+    (receive.make_ready_first, "kept by the cancelled receive"),  # it is pyzmq's Future
+    (_as_native, "left for the next receive"),  # the thread's queue keeps it
+], ids=["pyzmq", "ready-first", "native-thread"])
+def test_a_receive_cancelled_as_its_message_arrives_loses_nothing(prepare: Any, kept: str) -> None:
+    """A coroutine around pyzmq's Future (ready-first before) was cancelled with the
+    message in hand: the message was lost."""
+    assert asyncio.run(cancelled_as_it_arrives(prepare)) == kept
+
+
 async def frames_read(messages: list[list[bytes]], copy: bool, track: bool,
                       prepare: Any, late: bool = False) -> list[list[tuple[str, bytes]]]:
     """`messages` sent on a fresh socket pair, then read with `recv_multipart(copy,

@@ -8,10 +8,12 @@ engine is ahead of the front end that is about a sixth of the API server's sampl
 (README, "Where the API server's time goes").
 
 Before that task starts, the `recv_multipart` of its socket (that instance only) is
-replaced by one that takes a message already waiting with a non-blocking receive and
-otherwise awaits pyzmq's own `recv_multipart`. The task gets the same frames in the
-same order. Scheduling does not change: when a message is waiting pyzmq returns an
-already-completed Future, whose `await` does not yield to the event loop either. A
+replaced by one that takes a message already waiting with a non-blocking receive
+(handed over in a done Future) and otherwise returns pyzmq's own `recv_multipart`
+Future. The task gets the same frames in the same order, and a receive cancelled as
+its message comes in keeps the message as pyzmq's does. Scheduling does not change:
+when a message is waiting pyzmq returns an already-completed Future, whose `await`
+does not yield to the event loop either. A
 waiting message read with `copy=False` (vLLM's) is read frame by frame, each frame
 saying whether another follows (`frames_of_message`).
 
@@ -204,18 +206,29 @@ def make_ready_first(sock: zmq.asyncio.Socket) -> None:
     # A plain int: `int | zmq.NOBLOCK` goes through enum.Flag.__or__ (1.4 µs a receive).
     nonblocking, again = int(zmq.NOBLOCK), zmq.Again
 
-    async def recv_multipart(flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+    # Not a coroutine: a receive that waits is pyzmq's own Future, so cancelling it
+    # after pyzmq has read the message keeps the message in that Future, as in
+    # stock (a coroutine around it would be cancelled with the message in hand).
+    def recv_multipart(flags: int = 0, copy: bool = True, track: bool = False) -> Any:
         if not sock.closed:
             try:
                 if copy:
-                    return shadow.recv_multipart(flags | nonblocking, copy=True, track=track)
-                return frames_of_message(shadow, flags | nonblocking, track)
+                    return _ready(shadow.recv_multipart(flags | nonblocking, copy=True, track=track))
+                return _ready(frames_of_message(shadow, flags | nonblocking, track))
             except again:
                 pass
-        return await awaited(flags, copy=copy, track=track)
+        return awaited(flags, copy=copy, track=track)
 
     setattr(recv_multipart, _MARK, True)
     sock.recv_multipart = recv_multipart  # type: ignore[method-assign]
+
+
+def _ready(message: Any) -> asyncio.Future[Any]:
+    """A message already read, as pyzmq gives one that waits: a done Future (awaiting
+    it does not yield, and a caller that cancels it still finds the message)."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(message)
+    return future
 
 
 def frames_of_message(shadow: zmq.Socket[Any], flags: int, track: bool) -> list[zmq.Frame]:
