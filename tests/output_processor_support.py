@@ -48,11 +48,11 @@ class ReqSpec:
         )
 
 
-def engine_request(spec: ReqSpec, arrival: float = 1000.0) -> EngineCoreRequest:
+def engine_request(spec: ReqSpec, arrival: float = 1000.0, lora: Any = None) -> EngineCoreRequest:
     return EngineCoreRequest(
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_ids), mm_features=None,
         sampling_params=spec.sampling_params(), pooling_params=None, arrival_time=arrival,
-        lora_request=None, cache_salt=None, data_parallel_rank=None,
+        lora_request=lora, cache_salt=None, data_parallel_rank=None,
         external_req_id=spec.external_id,
     )
 
@@ -67,10 +67,11 @@ class Side:
     collectors: dict[str, RequestOutputCollector] = field(default_factory=dict)
     children: dict[str, list[str]] = field(default_factory=dict)
 
-    def add(self, spec: ReqSpec, prompt: str | None = "prompt text", arrival: float = 1000.0) -> list[str]:
+    def add(self, spec: ReqSpec, prompt: str | None = "prompt text", arrival: float = 1000.0,
+            lora: Any = None) -> list[str]:
         """Register like AsyncLLM.add_request / LLMEngine.add_request; returns
         the internal ids the engine core would run."""
-        req = engine_request(spec, arrival)
+        req = engine_request(spec, arrival, lora)
         q = RequestOutputCollector(spec.kind, spec.request_id) if self.async_mode else None
         if q is not None:
             self.collectors[spec.request_id] = q

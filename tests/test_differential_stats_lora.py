@@ -10,37 +10,13 @@ import pytest
 from output_processor_support import ReqSpec, Side, eco, new_iteration_stats, norm
 from test_differential_stats import iteration_stats_form, request_stats_form
 from vllm.lora.request import LoRARequest
-from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP
-from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
 
 Q, S, P = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED
-
-
-def _add(side: Side, spec: ReqSpec, lora: Any) -> list[str]:
-    req = EngineCoreRequest(
-        request_id=spec.request_id, prompt_token_ids=list(spec.prompt_ids), mm_features=None,
-        sampling_params=spec.sampling_params(), pooling_params=None, arrival_time=1000.0,
-        lora_request=lora, cache_salt=None, data_parallel_rank=None, external_req_id=spec.external_id)
-    from vllm.v1.engine.output_processor import RequestOutputCollector
-    q = RequestOutputCollector(spec.kind, spec.request_id)
-    side.collectors[spec.request_id] = q
-    if spec.n == 1:
-        side.op.add_request(req, "prompt", None, 0, q)
-        return [spec.request_id]
-    parent = ParentRequest(req)
-    ids = []
-    for idx in range(spec.n):
-        cid, csp = parent.get_child_info(idx)
-        child = req if idx == spec.n - 1 else copy.copy(req)
-        child.request_id = cid
-        child.sampling_params = csp
-        side.op.add_request(child, "prompt", parent, idx, q)
-        ids.append(cid)
-    return ids
 
 
 def _sched(side: Side) -> Any:
@@ -60,8 +36,8 @@ def test_lora_bookkeeping_as_stock(tiny_tokenizer: Any, logprobs: Any) -> None:
     stock, ours = Side(StockOP(tiny_tokenizer, log_stats=True), True), Side(OurOP(tiny_tokenizer, log_stats=True), True)
     ids = {}
     for spec, lora in specs:
-        ids[spec.request_id] = _add(stock, spec, lora)
-        assert _add(ours, spec, lora) == ids[spec.request_id]
+        ids[spec.request_id] = stock.add(spec, "prompt", lora=lora)
+        assert ours.add(spec, "prompt", lora=lora) == ids[spec.request_id]
     kids = ids["r2"]
     ev = lambda *ts: [EngineCoreEvent(type=t, timestamp=5000.0 + i) for i, t in enumerate(ts)]  # noqa: E731
     steps = [
