@@ -500,19 +500,22 @@ impl Classes {
     }
 }
 
-fn finish_code(fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
-    if fr.is_none() {
-        return Ok(None);
+impl Finish {
+    /// The member's code (None while running); a foreign value is refused here,
+    /// where only members may arrive (the step hands foreign ones to vLLM's code).
+    fn code(self, fr: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+        match self {
+            Finish::Running => Ok(None),
+            Finish::Member(code) => Ok(Some(code)),
+            Finish::Foreign => Err(PyTypeError::new_err(format!(
+                "finish_reason must be a FinishReason, got {}",
+                fr.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))),
+        }
     }
-    Ok(Some(fr.extract::<i64>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "finish_reason must be a FinishReason, got {}",
-            fr.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))
-    })?))
 }
 
 mod ahead;

@@ -386,7 +386,8 @@ impl OutputCore {
         if miss {
             return self.step_miss(py, slot, eco, cx, rid_s, &fr_obj);
         }
-        self.step_fast(py, slot, &ev, fr_obj, cx, rid_s)
+        let fr = finish.code(&fr_obj)?;
+        self.step_fast(py, slot, &ev, (fr_obj, fr), cx, rid_s)
     }
 
     /// The waiting outputs of stock-owned requests, through vLLM's own
@@ -472,12 +473,14 @@ impl OutputCore {
         Ok(())
     }
 
+    /// One output of a fast request; its finish reason comes as (the object, as
+    /// vLLM hands it on, and its code, read once by `step_one`).
     pub(super) fn step_fast<'py>(
         &mut self,
         py: Python<'py>,
         slot: usize,
         ev: &Eco<'_, 'py>,
-        mut fr_obj: Bound<'py, PyAny>,
+        (mut fr_obj, mut fr): (Bound<'py, PyAny>, Option<i64>),
         cx: &Step<'_, 'py>,
         rid: &str,
     ) -> PyResult<()> {
@@ -489,7 +492,6 @@ impl OutputCore {
             decode,
             ..
         } = *cx;
-        let mut fr = finish_code(&fr_obj)?;
         self.fast_steps += 1;
         let er = &self.eco;
         let new_ids = er.get(ev, F::NewTokenIds)?;
