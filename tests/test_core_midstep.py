@@ -16,6 +16,20 @@ from vllm.v1.engine.output_processor import OutputProcessor as StockOP
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
 
 
+def sides(tokenizer: Any, async_mode: bool) -> tuple[Side, Side]:
+    """Stock vLLM's OutputProcessor and ours, side by side."""
+    return (Side(StockOP(tokenizer, log_stats=False), async_mode),
+            Side(OurOP(tokenizer, log_stats=False), async_mode))
+
+
+def both_raise_on_a_malformed_miss(stock: Side, ours: Side, rid: str) -> None:
+    """A miss output whose new_token_ids is not a list: both sides raise."""
+    for side in (stock, ours):
+        with pytest.raises(TypeError):
+            side.step([EngineCoreOutput(request_id=rid, new_token_ids=5,  # type: ignore[arg-type]
+                                        finish_reason=FinishReason.ERROR, mm_cache_miss_hashes=["h"])])
+
+
 @pytest.mark.parametrize("async_mode", [True, False])
 def test_output_raising_after_a_stock_owned_final_output_still_finishes_that(
         tiny_tokenizer: Any, async_mode: bool) -> None:
@@ -23,8 +37,7 @@ def test_output_raising_after_a_stock_owned_final_output_still_finishes_that(
     ours raises TypeError at the second output, having finished A as stock's loop
     does before it reaches the second one (A's output is waiting for vLLM's code
     when the second output raises)."""
-    stock = Side(StockOP(tiny_tokenizer, log_stats=False), async_mode)
-    ours = Side(OurOP(tiny_tokenizer, log_stats=False), async_mode)
+    stock, ours = sides(tiny_tokenizer, async_mode)
     for side in (stock, ours):
         side.add(ReqSpec("A", "ext-A", [1, 2], logprobs=1))
     batch = lambda: [eco("A", [450], FinishReason.LENGTH, logprobs=1),  # noqa: E731
@@ -43,8 +56,7 @@ def test_vllms_code_raising_part_way_still_forgets_what_it_finished(tiny_tokeniz
                                                                    async_mode: bool) -> None:
     """[A finishes, C raises] both stock-owned: vLLM's own process_outputs finishes
     A, then raises on C. Our table must forget A as stock's does."""
-    stock = Side(StockOP(tiny_tokenizer, log_stats=False), async_mode)
-    ours = Side(OurOP(tiny_tokenizer, log_stats=False), async_mode)
+    stock, ours = sides(tiny_tokenizer, async_mode)
     for side in (stock, ours):
         side.add(ReqSpec("A", "ext-A", [1, 2], logprobs=1))
         side.add(ReqSpec("C", "ext-C", [1, 3], logprobs=1))
@@ -56,7 +68,6 @@ def test_vllms_code_raising_part_way_still_forgets_what_it_finished(tiny_tokeniz
         ours.op.process_outputs(batch(), 2000.0, None)
     assert set(stock.op.request_states) == {"C"}
     assert set(ours.op._stock.op.request_states) == {"C"}
-    print("ours table:", sorted(ours.op.request_states), "unfinished:", ours.op.get_num_unfinished_requests())
     assert set(ours.op.request_states) == set(stock.op.request_states)
     assert ours.op.get_num_unfinished_requests() == stock.op.get_num_unfinished_requests()
     assert ours.op.abort_requests(["A"], internal=True) == stock.op.abort_requests(["A"], internal=True)
@@ -70,21 +81,14 @@ def test_failed_miss_step_then_demotion_replays_the_ids_once(tiny_tokenizer: Any
     from vllm.sampling_params import RequestOutputKind
 
     k = RequestOutputKind.CUMULATIVE if kind == "cumulative" else RequestOutputKind.DELTA
-    stock = Side(StockOP(tiny_tokenizer, log_stats=False), False)
-    ours = Side(OurOP(tiny_tokenizer, log_stats=False), False)
+    stock, ours = sides(tiny_tokenizer, False)
     for side in (stock, ours):
         side.add(ReqSpec("r", "ext-r", [1, 2], kind=k))
     assert ours.op._core.is_native("r")
     s1, _ = stock.step([eco("r", [450, 4996])])
     o1, _ = ours.step([eco("r", [450, 4996])])
     assert [norm(o) for o in o1] == [norm(o) for o in s1]
-    # A miss output whose new_token_ids is not a list: both sides raise.
-    bad = lambda: EngineCoreOutput(request_id="r", new_token_ids=5, finish_reason=FinishReason.ERROR,  # noqa: E731
-                                   mm_cache_miss_hashes=["h"])
-    with pytest.raises(TypeError):
-        stock.step([bad()])
-    with pytest.raises(TypeError):
-        ours.step([bad()])
+    both_raise_on_a_malformed_miss(stock, ours, "r")
     # Next step: an output that sends the request to vLLM's code (routed experts).
     step3 = lambda: [EngineCoreOutput(request_id="r", new_token_ids=[272], finish_reason=FinishReason.LENGTH,  # noqa: E731
                                       routed_experts=np.zeros((1, 2), dtype=np.int32))]
@@ -92,7 +96,6 @@ def test_failed_miss_step_then_demotion_replays_the_ids_once(tiny_tokenizer: Any
     o3, _ = ours.step(step3())
     st = [dict(dict(o[1])["outputs"][0][1])["text"] for o in map(norm, s3)]
     ot = [dict(dict(o[1])["outputs"][0][1])["text"] for o in map(norm, o3)]
-    print("stock text:", st, "ours text:", ot)
     assert ot == st
 
 
@@ -101,24 +104,14 @@ def test_failed_miss_step_leaves_a_stock_owned_request_with_vllm(tiny_tokenizer:
     """A stock-owned request leaves the embedded stock processor only once its miss
     step's error output is built: when that raises, vLLM's code still steps it and
     its next output finishes it, as in stock."""
-    stock = Side(StockOP(tiny_tokenizer, log_stats=False), async_mode)
-    ours = Side(OurOP(tiny_tokenizer, log_stats=False), async_mode)
+    stock, ours = sides(tiny_tokenizer, async_mode)
     for side in (stock, ours):
         side.add(ReqSpec("L", "ext-L", [1, 2], logprobs=1))
-    bad = lambda: EngineCoreOutput(request_id="L", new_token_ids=5, finish_reason=FinishReason.ERROR,  # noqa: E731
-                                   mm_cache_miss_hashes=["h"])
-    with pytest.raises(TypeError):
-        stock.step([bad()])
-    with pytest.raises(TypeError):
-        ours.step([bad()])
-    print("after failed step: in core table:", ours.op.has_request("L"),
-          "in embedded stock:", "L" in ours.op._stock.op.request_states)
+    both_raise_on_a_malformed_miss(stock, ours, "L")
     s_outs, _ = stock.step([eco("L", [450], FinishReason.LENGTH, logprobs=1)])
     o_outs, _ = ours.step([eco("L", [450], FinishReason.LENGTH, logprobs=1)])
     s_seen = [norm(o) for o in s_outs] + [norm(o) for o in stock.drain().values()]
     o_seen = [norm(o) for o in o_outs] + [norm(o) for o in ours.drain().values()]
-    print("stock outputs:", len(s_seen), "ours outputs:", len(o_seen),
-          "ours still tracks L:", ours.op.has_request("L"))
     assert o_seen == s_seen
 
 
@@ -149,14 +142,10 @@ def test_misses_of_a_failed_step_are_not_invalidated_by_the_next(tiny_tokenizer:
         ours.step([eco("a", [], FinishReason.ERROR, mm_cache_miss_hashes=["h1"]),
                    EngineCoreOutput(request_id="b", new_token_ids=[], finish_reason=FinishReason.ERROR,
                                     mm_cache_miss_hashes=[3])])
-    print("after failed step: h1 cached =", cache.is_cached_item("h1"),
-          "invalidations =", ours.op.counters()["invalidations"])
     # P0 (re)caches h1 for a new request; P1 gets the data with it.
     _put(cache, "h1")
     # An ordinary step with no miss at all.
     ours.step([eco("c", [450])])
-    print("after a step without misses: h1 cached =", cache.is_cached_item("h1"),
-          "invalidations =", ours.op.counters()["invalidations"])
     assert cache.is_cached_item("h1"), "a step without any miss invalidated h1 (left over from the failed step)"
 
 
@@ -176,6 +165,5 @@ def test_finish_reason_that_is_no_member_is_vllms_to_handle(tiny_tokenizer: Any,
             res[name] = ("raised", type(e).__name__)
     fr_of = {k: (v if v[0] == "raised" else
                  [dict(dict(o[1])["outputs"][0][1])["finish_reason"] for o in v[0]]) for k, v in res.items()}
-    print("finish_reason:", fr_of)
     assert fr_of["ours"] == fr_of["stock"]
     assert res["ours"] == res["stock"]
