@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import os
 from typing import Any
 
 import pytest
@@ -604,21 +605,31 @@ def test_while_the_thread_owns_the_socket_the_loop_does_not_touch_it(
     assert asked == []
 
 
-def test_vllms_resource_cleanup_stops_the_thread() -> None:
-    async def go() -> tuple[bool, bool]:
+def test_vllms_resource_cleanup_stops_the_thread_and_closes_its_eventfd() -> None:
+    """The eventfd is released with the socket, not when the receiver is collected."""
+    async def go() -> tuple[bool, bool, bool]:
         wire = Wire(ready_first=False, native=True)
         receiver = receiver_of(wire.pull)
+        fd = receiver.fileno()
         try:
             wire.start(vllm_start())
             running = receiver.running
             wire.client.resources()  # vLLM's finalizer: closes sockets, cancels the task
             await asyncio.sleep(0)
-            return running, receiver.running
+            return running, receiver.running, fd_is_open(fd)
         finally:
             wire.push.close(linger=0)
             wire.ctx.term()
 
-    assert asyncio.run(go()) == (True, False)
+    assert asyncio.run(go()) == (True, False, False)
+
+
+def fd_is_open(fd: int) -> bool:
+    """Whether `fd` is (still) an eventfd of this process."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    except OSError:
+        return False
 
 
 def test_a_socket_error_in_the_thread_reaches_the_task_as_a_zmq_error() -> None:

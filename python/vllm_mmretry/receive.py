@@ -347,8 +347,8 @@ class NativeReceiving:
     def close(self, linger: int | None = None) -> None:
         """Stop the thread, then pyzmq's close (which cancels a waiting receive, as ours)."""
         self.closed = True
+        self._unwatch()  # before the thread's stop closes the eventfd the loop watches
         self.receiver.stop()
-        self._unwatch()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.cancel()
         self.pyzmq_close(linger)

@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_long, c_short, c_void, CString};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -170,8 +170,8 @@ impl Libzmq {
 struct Shared {
     state: Mutex<State>,
     stop: AtomicBool,
-    /// The eventfd the consumer's event loop watches.
-    wake_fd: c_int,
+    /// The eventfd the consumer's event loop watches; -1 once closed (after the thread).
+    wake_fd: AtomicI32,
 }
 
 #[derive(Default)]
@@ -186,6 +186,19 @@ struct State {
 }
 
 impl Shared {
+    fn wake_fd(&self) -> c_int {
+        self.wake_fd.load(Ordering::Acquire)
+    }
+
+    /// Closes the eventfd once; later reads and writes of -1 fail harmlessly (EBADF).
+    fn close_wake_fd(&self) {
+        let fd = self.wake_fd.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: our eventfd, taken out of `wake_fd` so it is closed exactly once.
+            unsafe { libc::close(fd) };
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the queue half-changed.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -194,7 +207,7 @@ impl Shared {
     fn wake(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes to our own eventfd; a full counter (EAGAIN) is already awake.
-        unsafe { libc::write(self.wake_fd, (&one as *const u64).cast(), 8) };
+        unsafe { libc::write(self.wake_fd(), (&one as *const u64).cast(), 8) };
     }
 
     /// Queues `batch` and wakes a waiting consumer.
@@ -243,7 +256,7 @@ impl Receiver {
             return Err("no socket".into());
         }
         let lib = Libzmq::loaded(lib_path)?;
-        // SAFETY: plain eventfd creation; the fd is closed in Drop.
+        // SAFETY: plain eventfd creation; the fd is closed by `stop` (or Drop).
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
             return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
@@ -251,7 +264,7 @@ impl Receiver {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             stop: AtomicBool::new(false),
-            wake_fd,
+            wake_fd: AtomicI32::new(wake_fd),
         });
         let handle = SocketHandle(socket as *mut c_void);
         let for_thread = Arc::clone(&shared);
@@ -271,7 +284,7 @@ impl Receiver {
 
     /// The eventfd to watch for "a message is waiting" (after `pop` said Empty).
     pub fn wake_fd(&self) -> c_int {
-        self.shared.wake_fd
+        self.shared.wake_fd()
     }
 
     /// The next message in order, or why there is none.
@@ -291,7 +304,7 @@ impl Receiver {
     pub fn clear_wake(&self) {
         let mut counter: u64 = 0;
         // SAFETY: reads 8 bytes from our own non-blocking eventfd; EAGAIN when already clear.
-        unsafe { libc::read(self.shared.wake_fd, (&mut counter as *mut u64).cast(), 8) };
+        unsafe { libc::read(self.shared.wake_fd(), (&mut counter as *mut u64).cast(), 8) };
     }
 
     /// Messages taken from the socket, and messages taken but not popped yet.
@@ -300,13 +313,15 @@ impl Receiver {
         (state.received, state.queue.len())
     }
 
-    /// Stops the thread and waits for it; the socket is the caller's again.
+    /// Stops the thread and waits for it, then closes the eventfd (the thread was its
+    /// only writer); the socket is the caller's again.
     pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
             // The thread's own code does not panic; a join error would mean it did.
             let _ = thread.join();
         }
+        self.shared.close_wake_fd();
     }
 
     pub fn running(&self) -> bool {
@@ -317,8 +332,6 @@ impl Receiver {
 impl Drop for Receiver {
     fn drop(&mut self) {
         self.stop();
-        // SAFETY: our eventfd, closed once, after the thread that writes it has ended.
-        unsafe { libc::close(self.shared.wake_fd) };
     }
 }
 

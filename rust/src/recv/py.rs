@@ -63,7 +63,8 @@ impl SocketReceiver {
         self.inner.counts()
     }
 
-    /// Stops and joins the thread (without the GIL); the socket may be closed after.
+    /// Stops and joins the thread (without the GIL) and closes the eventfd (`fileno` is
+    /// -1 after); the socket may be closed after.
     fn stop(&mut self, py: Python<'_>) {
         let inner = &mut self.inner;
         py.detach(|| inner.stop());
