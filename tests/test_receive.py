@@ -711,3 +711,27 @@ def _core_receiver(path: str, handle: int) -> Any:
     from vllm_mmretry import _core
 
     return _core.SocketReceiver(path, handle)
+
+
+def test_a_message_whose_frames_fail_to_wrap_is_kept_for_the_next_receive() -> None:
+    """`zmq.Frame` raising (say MemoryError) fails that receive; the message stays first."""
+    async def go() -> tuple[str, list[bytes], list[bytes]]:
+        wire = Wire(ready_first=False, native=True)
+        try:
+            for body in (b"first", b"second"):
+                await wire.push.send_multipart([body])
+            receiver = receiver_of(wire.pull)
+            while receiver.counts()[1] < 2:
+                await asyncio.sleep(0.01)
+
+            def failing(_: bytes) -> Any:
+                raise MemoryError("no room for a frame")
+
+            with pytest.raises(MemoryError) as raised:
+                receiver.pop(failing)
+            return (str(raised.value), await wire.pull.recv_multipart(),
+                    await wire.pull.recv_multipart())
+        finally:
+            wire.close()
+
+    assert asyncio.run(go()) == ("no room for a frame", [b"first"], [b"second"])

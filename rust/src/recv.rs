@@ -300,6 +300,11 @@ impl Receiver {
         Popped::Empty
     }
 
+    /// Returns a popped message to the front of the queue (its consumer failed on it).
+    pub fn put_back(&self, message: Message) {
+        self.shared.lock().queue.push_front(message);
+    }
+
     /// Reads the eventfd down to zero (its readiness has been seen).
     pub fn clear_wake(&self) {
         let mut counter: u64 = 0;

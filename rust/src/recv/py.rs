@@ -37,17 +37,14 @@ impl SocketReceiver {
     fn pop<'py>(&self, py: Python<'py>, wrap: Option<&Bound<'py, PyAny>>) -> PyResult<Py<PyAny>> {
         let popped = guarded("SocketReceiver.pop", || self.inner.pop())?;
         match popped {
-            Popped::Message(frames) => {
-                let list = PyList::empty(py);
-                for frame in &frames {
-                    let bytes = PyBytes::new(py, frame);
-                    match wrap {
-                        Some(w) => list.append(w.call1((bytes,))?)?,
-                        None => list.append(bytes)?,
-                    }
+            Popped::Message(frames) => match frames_list(py, &frames, wrap) {
+                Ok(list) => Ok(list.into_any().unbind()),
+                Err(e) => {
+                    // `wrap` raised: the message stays first in line, not lost.
+                    self.inner.put_back(frames);
+                    Err(e)
                 }
-                Ok(list.into_any().unbind())
-            }
+            },
             Popped::Empty => Ok(py.None()),
             Popped::Failed(errno) => Ok(errno.into_pyobject(py)?.into_any().unbind()),
         }
@@ -74,6 +71,23 @@ impl SocketReceiver {
     fn running(&self) -> bool {
         self.inner.running()
     }
+}
+
+/// A message's frames as a list of `bytes`, or of `wrap(bytes)`.
+fn frames_list<'py>(
+    py: Python<'py>,
+    frames: &[Vec<u8>],
+    wrap: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for frame in frames {
+        let bytes = PyBytes::new(py, frame);
+        match wrap {
+            Some(w) => list.append(w.call1((bytes,))?)?,
+            None => list.append(bytes)?,
+        }
+    }
+    Ok(list)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
