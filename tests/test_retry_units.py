@@ -83,17 +83,70 @@ def test_collect_batch_maps_a_retryable_pooling_error_to_503() -> None:
 
 
 def test_503_answer_carries_retry_headers_and_the_usual_body() -> None:
+    """This package's final 503 gets the retry headers; vLLM's own 503s (a pooling task
+    it keeps, a paused engine) and 500s keep vLLM's answer."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.entrypoints.serve.exception_handling.handlers.vllm_error import vllm_error_handler
     from vllm.exceptions import GenerationError, RetryableRequestError
 
-    exc = RetryableRequestError("Multi-modal processor cache miss.")
+    exc = retry._final_answer("Multi-modal processor cache miss.")
+    assert isinstance(exc, RetryableRequestError)
     resp = asyncio.run(vllm_error_handler(_request(), exc))
     assert resp.status_code == 503
     assert resp.headers["retry-after"] == "1" and resp.headers["x-should-retry"] == "true"
     assert json.loads(resp.body) == create_error_response(exc).model_dump()
+    vllms = RetryableRequestError("Multi-modal processor cache miss.")
+    stock = asyncio.run(vllm_error_handler(_request(), vllms))
+    assert stock.status_code == 503 and json.loads(stock.body) == json.loads(resp.body)
+    assert "retry-after" not in stock.headers and "x-should-retry" not in stock.headers
     plain = asyncio.run(vllm_error_handler(_request(), GenerationError("Internal server error")))
     assert plain.status_code == 500 and "retry-after" not in plain.headers
+
+
+def _completion(error: Any) -> Any:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    done = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                            logprobs=None, finish_reason="error" if error else "length")
+    out = RequestOutput(request_id="r-1", prompt="p", prompt_token_ids=[1], prompt_logprobs=None,
+                        outputs=[done], finished=True)
+    out.error = error
+    return out
+
+
+@pytest.mark.parametrize("retry_ends", ["output", "other_error", "nothing"])
+def test_recovered_counts_only_a_retry_that_produced_output(retry_ends: str) -> None:
+    """A retry whose stream ends with a non-retryable error, or with nothing, did not
+    recover the request."""
+    from prometheus_client import REGISTRY
+    from vllm.outputs import RequestError
+
+    miss = RequestError(code=retry.MM_CACHE_MISS, message="miss", retryable=True)
+    other = RequestError(code="internal", message="boom", retryable=False)
+    second = {"output": [_completion(None)], "other_error": [_completion(other)], "nothing": []}
+
+    async def rerender(skip_mm_cache: bool) -> list[Any]:
+        return ["prompt again"]
+
+    attempts = [[_completion(miss)], second[retry_ends]]
+
+    async def generate(prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        for out in attempts.pop(0):
+            yield out
+
+    async def drain() -> list[Any]:
+        call = retry._EndpointCall("/units", rerender, stream=False)
+        return [o async for o in retry._guarded(call, 0, generate, ("prompt", None, "r-1"), {})]
+
+    def recovered() -> float:
+        value = REGISTRY.get_sample_value("vllm_mmretry_retries_total",
+                                          {"endpoint": "/units", "outcome": "recovered"})
+        return 0.0 if value is None else value
+
+    before = recovered()
+    outs = asyncio.run(drain())
+    assert outs == second[retry_ends] and attempts == []
+    assert recovered() - before == (1 if retry_ends == "output" else 0)
 
 
 def test_retryable_error_reads_only_terminal_retryable_structured_errors() -> None:

@@ -74,6 +74,26 @@ def _retry_allowed(endpoint: str) -> bool:
     return False
 
 
+# Set on the RetryableRequestErrors this package answers with: only those get
+# RETRY_HEADERS; vLLM's own 503s (a pooling task it keeps, 0.33's paused engine)
+# keep vLLM's answer.
+_OURS = "_vllm_mmretry_answer"
+
+
+def _ours(exc: Exception) -> Exception:
+    setattr(exc, _OURS, True)
+    return exc
+
+
+def _final_answer(message: str) -> Exception:
+    """The 503 that ends an endpoint call whose retry failed or was not granted."""
+    return _ours(adapter().retryable_request_error()(message))
+
+
+def is_our_answer(exc: BaseException) -> bool:
+    return getattr(exc, _OURS, False) is True
+
+
 @dataclass
 class _EndpointCall:
     """One call of a generation endpoint: how to re-render its retained request,
@@ -104,9 +124,9 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
         if error is not None and not call.delivered:
             if call.retried:  # the endpoint's one retry went to another prompt
                 _log_final(request_id, call.endpoint, error)
-                raise adapter().retryable_request_error()(error.message)
+                raise _final_answer(error.message)
             if not _retry_allowed(call.endpoint):  # counted and logged by the budget
-                raise adapter().retryable_request_error()(error.message)
+                raise _final_answer(error.message)
             call.retried = True
             await gen.aclose()
             skip = error.code == MM_CACHE_MISS
@@ -118,8 +138,9 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
             error = retryable_error(first) if first is not None else None
             if error is not None:
                 _log_final(request_id, call.endpoint, error)
-                raise adapter().retryable_request_error()(error.message)
-            _metrics.count_retry(call.endpoint, "recovered")  # vllm-mmretry metrics hook
+                raise _final_answer(error.message)
+            if first is not None and getattr(first, "error", None) is None:
+                _metrics.count_retry(call.endpoint, "recovered")  # vllm-mmretry metrics hook
         if first is None:
             return
         call.delivered = call.delivered or call.stream
@@ -219,11 +240,11 @@ def _wrap_pooling(original: Callable[..., Any], retried: tuple[type[Any], ...]) 
         adapter().wrap_pooling_results(attempt, tap)
         try:
             return await adapter().pooling_finish(self, attempt)
-        except retryable:
+        except retryable as exc:
             if not taps[0].errors:
                 raise  # not an engine result we saw: leave it alone
             if not _retry_allowed(where):  # counted and logged by the budget
-                raise
+                raise _ours(exc)
             error = taps[0].errors[0]
         await adapter().pooling_close(attempt)
         request_id = adapter().pooling_request_id(attempt)
@@ -236,10 +257,10 @@ def _wrap_pooling(original: Callable[..., Any], retried: tuple[type[Any], ...]) 
             response = await adapter().pooling_finish(self, attempt)
             _metrics.count_retry(where, "recovered")  # vllm-mmretry metrics hook
             return response
-        except retryable:
+        except retryable as exc:
             errors = taps[-1].errors
             _log_final(request_id, where, errors[0] if errors else error)
-            raise
+            raise _ours(exc)
 
     return pooling_call
 
@@ -250,7 +271,7 @@ def _wrap_error_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     async def generation_error_handler(req: Any, exc: Exception) -> Any:
         response = await original(req, exc)
-        if isinstance(exc, retryable):
+        if isinstance(exc, retryable) and is_our_answer(exc):
             response.headers.update(RETRY_HEADERS)
         return response
 
@@ -269,7 +290,7 @@ def _wrap_router_error_response(original: Callable[..., Any]) -> Callable[..., A
     @functools.wraps(original)
     def error_response(exc: Any, *args: Any, **kwargs: Any) -> Any:
         response = original(exc, *args, **kwargs)
-        if isinstance(exc, retryable):
+        if isinstance(exc, retryable) and is_our_answer(exc):
             _RETRYABLE_ANSWER.set(response)
         return response
 
