@@ -244,7 +244,8 @@ def _wrap_pooling(original: Callable[..., Any], retried: tuple[type[Any], ...]) 
             if not taps[0].errors:
                 raise  # not an engine result we saw: leave it alone
             if not _retry_allowed(where):  # counted and logged by the budget
-                raise _ours(exc)
+                _ours(exc)
+                raise
             error = taps[0].errors[0]
         await adapter().pooling_close(attempt)
         request_id = adapter().pooling_request_id(attempt)
@@ -260,7 +261,8 @@ def _wrap_pooling(original: Callable[..., Any], retried: tuple[type[Any], ...]) 
         except retryable as exc:
             errors = taps[-1].errors
             _log_final(request_id, where, errors[0] if errors else error)
-            raise _ours(exc)
+            _ours(exc)
+            raise
 
     return pooling_call
 
