@@ -98,6 +98,113 @@ def test_unsupported_vllm_version_leaves_vllm_untouched(version: str) -> None:
     }
 
 
+@pytest.mark.parametrize("version", ["0.34.0"])
+def test_disabled_with_an_unknown_vllm_and_faults_set_still_starts(version: str) -> None:
+    """VLLM_MMRETRY=0 must never stop vLLM: on a vLLM the fault switch does not know,
+    it is not installed either."""
+    r = _run(PROBE.format(setup=f"import vllm; vllm.__version__ = '{version}'"),
+             VLLM_MMRETRY="0", VLLM_MMRETRY_FAULTS="p1_miss=every:3")
+    assert r["state"] == [] and r["originals"] == 0, r
+
+
+# A changed vLLM, as a point release or another plugin could leave it: each must leave
+# vLLM wholly unpatched with one WARNING naming what differs, not stop vLLM.
+DRIFTS = {
+    "entry_gains_a_parameter": (
+        "from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat as C\n"
+        "async def create_chat_completion(self, request, raw_request=None, *, extra=None): ...\n"
+        "C.create_chat_completion = create_chat_completion",
+        "cannot patch OpenAIServingChat.create_chat_completion: its signature is "
+        "(self, request, raw_request=..., *, extra=...)"),
+    "generate_reorders_its_arguments": (
+        "from vllm.v1.engine.async_llm import AsyncLLM\n"
+        "async def generate(self, sampling_params, prompt, request_id, **kw): yield None\n"
+        "AsyncLLM.generate = generate",
+        "cannot patch AsyncLLM.generate"),
+    "patched_target_is_gone": (
+        "from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion as C\n"
+        "del C.create_completion",
+        "OpenAIServingCompletion"),
+    "called_helper_is_renamed": (
+        "from vllm.entrypoints.pooling.base.serving import PoolingBaseServing as P\n"
+        "P._collect = P._collect_batch\n"
+        "del P._collect_batch",
+        "installing the adapter failed: AttributeError"),
+    "called_helper_changes": (
+        "from vllm.v1.engine.output_processor import OutputProcessor as O\n"
+        "def abort_requests(self, request_ids, internal, reason=None): ...\n"
+        "O.abort_requests = abort_requests",
+        "cannot call OutputProcessor.abort_requests: its signature is "
+        "(self, request_ids, internal, reason=...)"),
+}
+
+DRIFT_PROBE = """
+    import json, logging
+    {setup}
+    from vllm_mmretry import _patching, plugin, vllm_adapter
+    from vllm.v1.engine import async_llm
+    lines = []
+    vllm_adapter.when_vllm_logging_ready = lambda emit: emit()
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vllm.vllm_mmretry").addHandler(handler)
+    state = plugin.register()
+    print(json.dumps({{"state": state, "originals": len(_patching._originals),
+                      "op": async_llm.OutputProcessor.__module__, "lines": lines}}))
+"""
+
+
+@pytest.mark.parametrize("drift", sorted(DRIFTS))
+def test_a_changed_vllm_is_left_wholly_unpatched(drift: str) -> None:
+    setup, why = DRIFTS[drift]
+    r = _run(DRIFT_PROBE.format(setup=textwrap.indent(setup, "    ").lstrip()))
+    assert r["state"] == [] and r["originals"] == 0, r
+    assert r["op"] == "vllm.v1.engine.output_processor"
+    warned = [line for line in r["lines"] if "vLLM left unpatched" in line]
+    assert len(warned) == 1 and why in warned[0], r["lines"]
+
+
+def test_the_adapter_records_the_signature_of_every_target_and_called_function() -> None:
+    """What `_install_checked` compares: complete for this vLLM, and matching it."""
+    r = _run("""
+        import json
+        from vllm_mmretry import _patching, plugin
+        from vllm_mmretry.vllm_adapter import adapter
+        state = plugin.register()
+        found = adapter()
+        labels = [f"{getattr(o, '__name__', o)}.{n}" for o, n in _patching._originals]
+        print(json.dumps({"state": len(state), "labels": labels,
+                          "called": sorted(found.called_functions()),
+                          "recorded": sorted(found.SIGNATURES)}))
+    """)
+    assert r["state"] > 0
+    assert sorted({*r["labels"], *r["called"]}) == r["recorded"]
+
+
+def test_uninstall_puts_vllms_configure_logging_back() -> None:
+    """Lines that wait for vLLM's logging are dropped by uninstall with the stand-in
+    for `configure_logging`; a later register waits with one stand-in, not a chain."""
+    r = _run("""
+        import json
+        import vllm.logger as vlog
+        vllm_configure = vlog.configure_logging
+        vlog._last_configured_logging_config = None  # as while vLLM's CLI parses
+        from vllm_mmretry import plugin
+        plugin.register()
+        plugin.uninstall()
+        restored = vlog.configure_logging is vllm_configure
+        plugin.register()
+        plugin.uninstall()
+        plugin.register()
+        stand_in = vlog.configure_logging
+        from vllm_mmretry.vllm_adapter import _pending_lines
+        print(json.dumps({"restored": restored, "waiting": len(_pending_lines),
+                          "one_stand_in": stand_in is not vllm_configure and
+                          vlog.configure_logging.__closure__ is not None}))
+    """)
+    assert r == {"restored": True, "waiting": 1, "one_stand_in": True}
+
+
 def test_register_is_idempotent_and_refuses_double_patching() -> None:
     r = _run("""
         import json, vllm_mmretry

@@ -5,11 +5,16 @@ vLLM in one process (`restore_all`)."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _MARK = "__vllm_mmretry_original__"
 # (owner, attribute) -> the original value, in patch order.
 _originals: dict[tuple[Any, str], Any] = {}
+# While `expecting` runs: label -> the signature each patched target must have.
+_expected: dict[str, str] | None = None
 
 
 class PatchError(RuntimeError):
@@ -24,6 +29,8 @@ def patch_attr(owner: Any, name: str, new: Any) -> str:
     current = getattr(owner, name)
     if (owner, name) in _originals or getattr(current, _MARK, None) is not None:
         raise PatchError(f"refusing to patch {label} twice")
+    if _expected is not None:
+        _check_signature(label, current, _expected)
     try:
         setattr(new, _MARK, current)
     except (AttributeError, TypeError):
@@ -50,3 +57,53 @@ def restore_all() -> list[str]:
         restored.append(f"{getattr(owner, '__name__', owner)}.{name}")
     _originals.clear()
     return restored
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "..."
+
+
+def signature_of(obj: Any) -> str | None:
+    """What a wrapper or a call relies on: parameter names, kinds and which have
+    defaults (not annotations or default values). None for an object without one."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    params = [p.replace(annotation=p.empty, default=p.empty if p.default is p.empty else _Default())
+              for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=sig.empty))
+
+
+def _check_signature(label: str, current: Any, expected: dict[str, str]) -> None:
+    want = expected.get(label)
+    if want is None:
+        raise PatchError(f"cannot patch {label}: the adapter records no signature for it")
+    found = signature_of(current)
+    if found != want:
+        raise PatchError(f"cannot patch {label}: its signature is {found}, "
+                         f"the adapter was written against {want}")
+
+
+@contextmanager
+def expecting(signatures: dict[str, str]) -> Iterator[None]:
+    """Patches made inside must replace targets with exactly these signatures."""
+    global _expected
+    _expected = signatures
+    try:
+        yield
+    finally:
+        _expected = None
+
+
+def signature_problems(targets: dict[str, Any], signatures: dict[str, str]) -> list[str]:
+    """Why each of `targets` (label -> object the adapter calls) differs from the
+    signature recorded for it."""
+    problems = []
+    for label, obj in targets.items():
+        try:
+            _check_signature(label, obj, signatures)
+        except PatchError as exc:
+            problems.append(str(exc).replace("cannot patch", "cannot call", 1))
+    return problems

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from vllm_mmretry import vllm_adapter
+from vllm_mmretry import _patching, vllm_adapter
 from vllm_mmretry.switches import switch_on
 
 logger = logging.getLogger("vllm_mmretry")
@@ -72,7 +72,8 @@ def register() -> list[str]:
         # vLLM does with the same induced fault.
         from vllm_mmretry import faults
 
-        _state = faults.install()
+        supported = vllm_adapter.is_supported(vllm_adapter.installed_vllm_version())
+        _state = faults.install() if supported else []
         _emit(log.info, "vllm-mmretry disabled by %s=0 (%s); vLLM left unpatched%s",
               ENV_SWITCH, proc, f" except {', '.join(_state)}" if _state else "")
         return _state
@@ -87,9 +88,12 @@ def register() -> list[str]:
         )
         _state = []
         return _state
-    patched: list[str] = []
-    for _, install in _installers():
-        patched.extend(install())
+    try:
+        patched = _install_checked()
+    except _patching.PatchError as exc:
+        _emit(log.warning, "vllm-mmretry: %s (%s); vLLM left unpatched", exc, proc)
+        _state = []
+        return _state
     _state = patched
     _emit(
         log.info,
@@ -101,6 +105,40 @@ def register() -> list[str]:
     return patched
 
 
+def _install_checked() -> list[str]:
+    """Every installer, or none: a vLLM function whose signature is not the adapter's
+    record, a missing seam or any other failure to patch undoes what was patched and
+    raises PatchError. FaultConfigError (a bad test-only setting) is raised as it is."""
+    from vllm_mmretry.faults import FaultConfigError
+
+    patched: list[str] = []
+    what = "adapter"
+    try:
+        found = vllm_adapter.adapter()
+        problems = _patching.signature_problems(found.called_functions(), found.SIGNATURES)
+        if problems:
+            raise _patching.PatchError("; ".join(problems))
+        with _patching.expecting(found.SIGNATURES):
+            for step, install in _installers():
+                what = step  # named in the error if this one fails
+                patched.extend(install())
+    except FaultConfigError:
+        _undo_partial()
+        raise
+    except Exception as exc:
+        _undo_partial()
+        if isinstance(exc, _patching.PatchError):
+            raise
+        raise _patching.PatchError(
+            f"installing the {what} failed: {type(exc).__name__}: {exc}") from exc
+    return patched
+
+
+def _undo_partial() -> None:
+    _patching.restore_all()
+    _remove_request_output_error()
+
+
 def active_patches() -> list[str]:
     """What `register()` patched in this process ([] if disabled or not run)."""
     return list(_state or [])
@@ -110,14 +148,13 @@ def uninstall() -> list[str]:
     """Undo every patch `register()` made in this process (newest first), and the
     `RequestOutput.error` class default it added; `register()` may run again."""
     global _state
-    from vllm_mmretry import _patching
-
     restored = _patching.restore_all()
     # Only loaded once an engine's metrics were sped up.
     prom = sys.modules.get("vllm_mmretry.prom")
     if prom is not None:
         restored.extend(prom.restore())
     restored.extend(_remove_request_output_error())
+    vllm_adapter.drop_pending_lines()  # this process's lines are about what was undone
     _state = None
     return restored
 

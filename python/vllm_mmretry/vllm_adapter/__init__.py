@@ -86,25 +86,48 @@ def vllm_logger(name: str) -> logging.Logger:
     return logger
 
 
+# Lines waiting for vLLM's `configure_logging`, and vLLM's function while ours stands in.
+_pending_lines: list[Callable[[], None]] = []
+_vllm_configure: list[Callable[[Any], None]] = []
+
+
 def when_vllm_logging_ready(emit: Callable[[], None]) -> None:
     """Run `emit` now if vLLM has configured its loggers, else right after it does.
 
     In the API server, plugins load while the CLI is parsed, before
     `configure_logging` runs; a line logged then would be dropped. Works on any
-    vLLM that has `vllm.logger.configure_logging`; else emits at once."""
+    vLLM that has `vllm.logger.configure_logging`; else emits at once. One stand-in
+    for vLLM's function at a time, removed by its first call or `drop_pending_lines`."""
     import vllm.logger as vlog
 
     configure = getattr(vlog, "configure_logging", None)
     if configure is None or getattr(vlog, "_last_configured_logging_config", True) is not None:
         emit()
         return
+    _pending_lines.append(emit)
+    if _vllm_configure:
+        return
+    _vllm_configure.append(configure)
 
     def configure_then_emit(config: Any) -> None:
+        drop_pending_lines(keep=True)
         configure(config)
-        vlog.configure_logging = configure  # one-shot: put vLLM's function back
-        emit()
+        lines = list(_pending_lines)
+        _pending_lines.clear()
+        for line in lines:
+            line()
 
     vlog.configure_logging = configure_then_emit
+
+
+def drop_pending_lines(keep: bool = False) -> None:
+    """Put vLLM's `configure_logging` back; forget the waiting lines unless `keep`."""
+    if _vllm_configure:
+        import vllm.logger as vlog
+
+        vlog.configure_logging = _vllm_configure.pop()
+    if not keep:
+        _pending_lines.clear()
 
 
 def vllm_plugins_setting() -> list[str] | None:

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 # ------------------------------------------------------------ the Rust boundary
 
@@ -355,6 +355,15 @@ class VllmAdapter(abc.ABC):
     """
 
     version: str = ""
+    # The signature (`_patching.signature_of`) of every vLLM function this adapter's
+    # patches replace (by patch label) or that it calls with arguments it builds (by
+    # `called_functions` label), as written against; `tools/seam_signatures.py`
+    # prints them for the running vLLM. A difference at start-up leaves vLLM unpatched.
+    SIGNATURES: ClassVar[dict[str, str]] = {}
+
+    def called_functions(self) -> dict[str, Any]:
+        """label -> each vLLM function this adapter calls with arguments it builds."""
+        return {}
 
     # --- output processor
     @abc.abstractmethod

@@ -1144,6 +1144,112 @@ class Adapter(VllmAdapter):
 
         return factories, "_get_cache_type"
 
+    # --- signatures checked at start-up -------------------------------------
+    # (printed by tools/seam_signatures.py; the same on 0.33.0)
+    SIGNATURES: ClassVar[dict[str, str]] = {
+        'RequestOutput.__init__':
+            '(self, request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, '
+            'metrics=..., lora_request=..., encoder_prompt=..., encoder_prompt_token_ids=..., '
+            'num_cached_tokens=..., num_cache_creation_tokens=..., *, '
+            'prompt_token_id_logprobs=..., kv_transfer_params=..., ec_transfer_params=..., '
+            '**kwargs)',
+        'RequestOutput.add':
+            '(self, next_output, aggregate)',
+        'vllm.v1.engine.async_llm.OutputProcessor':
+            '(tokenizer, *, log_stats, stream_interval=..., tracing_enabled=..., '
+            'admission_stats=...)',
+        'vllm.v1.engine.llm_engine.OutputProcessor':
+            '(tokenizer, *, log_stats, stream_interval=..., tracing_enabled=..., '
+            'admission_stats=...)',
+        'AsyncLLM.__init__':
+            '(self, vllm_config, executor_class, log_stats, usage_context=..., mm_registry=..., '
+            'log_requests=..., start_engine_loop=..., stat_loggers=..., '
+            'aggregate_engine_logging=..., client_addresses=..., client_count=..., '
+            'client_index=..., profiler=...)',
+        'LLMEngine.__init__':
+            '(self, vllm_config, executor_class, log_stats, aggregate_engine_logging=..., '
+            'usage_context=..., stat_loggers=..., mm_registry=..., multiprocess_mode=...)',
+        'AsyncLLM._run_output_handler':
+            '(self)',
+        'vllm.v1.engine.async_llm.IterationStats':
+            '()',
+        'AsyncMPClient._ensure_output_queue_task':
+            '(self)',
+        'AsyncLLM.generate':
+            '(self, prompt, sampling_params, request_id, *, prompt_text=..., lora_request=..., '
+            'tokenization_kwargs=..., trace_headers=..., priority=..., data_parallel_rank=..., '
+            'session_id=..., kv_hints=..., reasoning_ended=..., reasoning_parser_kwargs=...)',
+        'OpenAIServingChat.create_chat_completion':
+            '(self, request, raw_request=...)',
+        'OpenAIServingCompletion.create_completion':
+            '(self, request, raw_request=...)',
+        'PoolingBaseServing.__call__':
+            '(self, request, raw_request=...)',
+        'vllm.entrypoints.serve.exception_handling.handlers.vllm_error.generation_error_handler':
+            '(req, exc)',
+        'vllm.entrypoints.openai.responses.api_router._convert_stream_to_sse_events':
+            '(generator)',
+        'vllm.entrypoints.anthropic.api_router.create_error_response':
+            '(message, err_type=..., status_code=..., param=...)',
+        'vllm.entrypoints.anthropic.api_router.translate_error_response':
+            '(response)',
+        'OutputProcessor':
+            '(tokenizer, *, log_stats, stream_interval=..., tracing_enabled=..., '
+            'admission_stats=...)',
+        'OutputProcessor.process_outputs':
+            '(self, engine_core_outputs, engine_core_timestamp=..., iteration_stats=..., '
+            'weight_version=...)',
+        'OutputProcessor.abort_requests':
+            '(self, request_ids, internal)',
+        'OutputProcessor.add_request':
+            '(self, request, prompt, parent_req=..., request_index=..., queue=...)',
+        'OutputProcessor._update_stats_from_output':
+            '(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)',
+        'OutputProcessor._update_stats_from_finished':
+            '(self, req_state, finish_reason, iteration_stats)',
+        'OutputProcessor.do_tracing':
+            '(self, engine_core_output, req_state, iteration_stats)',
+        'OnlineRenderer.render_chat':
+            '(self, request, *, skip_mm_cache=...)',
+        'OnlineRenderer.render_completion':
+            '(self, request, *, skip_mm_cache=...)',
+        'PoolingBaseServing.get_io_processor':
+            '(self, request)',
+        'PoolingBaseServing._init_ctx':
+            '(self, io_processor, request, raw_request=...)',
+        'PoolingBaseServing._preprocessing':
+            '(self, io_processor, ctx)',
+        'PoolingBaseServing._prepare_generators':
+            '(self, ctx)',
+        'PoolingBaseServing._collect_batch':
+            '(self, ctx)',
+        'PoolingBaseServing._postprocessing':
+            '(self, io_processor, ctx)',
+    }
+
+    def called_functions(self) -> dict[str, Any]:
+        from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        op, pooling = StockOutputProcessor, PoolingBaseServing
+        return {
+            "OutputProcessor": op,
+            "OutputProcessor.process_outputs": op.process_outputs,
+            "OutputProcessor.abort_requests": op.abort_requests,
+            "OutputProcessor.add_request": op.add_request,
+            "OutputProcessor._update_stats_from_output": op._update_stats_from_output,
+            "OutputProcessor._update_stats_from_finished": op._update_stats_from_finished,
+            "OutputProcessor.do_tracing": op.do_tracing,
+            "OnlineRenderer.render_chat": OnlineRenderer.render_chat,
+            "OnlineRenderer.render_completion": OnlineRenderer.render_completion,
+            "PoolingBaseServing.get_io_processor": pooling.get_io_processor,
+            "PoolingBaseServing._init_ctx": pooling._init_ctx,
+            "PoolingBaseServing._preprocessing": pooling._preprocessing,
+            "PoolingBaseServing._prepare_generators": pooling._prepare_generators,
+            "PoolingBaseServing._collect_batch": pooling._collect_batch,
+            "PoolingBaseServing._postprocessing": pooling._postprocessing,  # made async per instance
+        }
+
     # --- serving-layer retry (retry.py) -------------------------------------
     def retry_seams(self) -> RetrySeams:
         from vllm.entrypoints.anthropic import api_router as anthropic_router
