@@ -557,6 +557,14 @@ def check_engine_core_output(expected: tuple[str, ...] = ECO_STRUCT_FIELDS,
     return None
 
 
+def unknown_engine_core_fields(expected: tuple[str, ...], eco_why: str | None) -> str | None:
+    """A field added to or removed from EngineCoreOutput may change what an output
+    means (0.33 added `error`): the native loop cannot prove it reads it as vLLM does,
+    so vLLM's code processes every request. A reorder only turns off the slot reads."""
+    fields = set(getattr(EngineCoreOutput, "__struct_fields__", ()))
+    return eco_why if eco_why is not None and fields != set(expected) else None
+
+
 def check_object_methods(fields: ObjectFields | None = None) -> str | None:
     """The methods the core calls on vLLM's objects, by the names it was given."""
     fields = fields or OBJECT_FIELDS
@@ -844,9 +852,11 @@ class Adapter(VllmAdapter):
     # --- output processor ---------------------------------------------------
     def self_check(self, tokenizer: Any, vocab: Any) -> SelfCheck:
         why, ro_base, co_base = check_outputs()
+        eco_why = check_engine_core_output(self.ECO_STRUCT_FIELDS, self.version)
         return SelfCheck(
-            outputs=why or check_finish_reasons() or check_object_methods(),
-            eco_offsets=check_engine_core_output(self.ECO_STRUCT_FIELDS, self.version),
+            outputs=(why or check_finish_reasons() or check_object_methods()
+                     or unknown_engine_core_fields(self.ECO_STRUCT_FIELDS, eco_why)),
+            eco_offsets=eco_why,
             detok=None if vocab is None else _check_vocab(vocab),
             ro_base=ro_base, co_base=co_base,
         )
