@@ -176,7 +176,8 @@ def test_the_adapter_records_the_signature_of_every_target_and_called_function()
         print(json.dumps({"state": len(state), "labels": labels,
                           "called": sorted(found.called_functions()),
                           "recorded": sorted(found.SIGNATURES)}))
-    """)
+    """, VLLM_MMRETRY_FAULTS="p1_miss=every:1", VLLM_MMRETRY_NATIVE_DECODE="1",
+        VLLM_MMRETRY_NATIVE_RECEIVE="1")
     assert r["state"] > 0
     assert sorted({*r["labels"], *r["called"]}) == r["recorded"]
 

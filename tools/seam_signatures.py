@@ -8,7 +8,13 @@ after reading what changed; `plugin.register` compares it at start-up.
 
 from __future__ import annotations
 
-from vllm_mmretry import _patching, plugin
+import os
+
+# Every switch that adds patches on, so that the table covers them all.
+os.environ.update(VLLM_MMRETRY_FAULTS="p1_miss=every:1", VLLM_MMRETRY_NATIVE_DECODE="1",
+                  VLLM_MMRETRY_NATIVE_RECEIVE="1")
+
+from vllm_mmretry import _patching, plugin  # after the switches
 from vllm_mmretry.vllm_adapter import adapter
 
 

@@ -108,7 +108,9 @@ def register() -> list[str]:
 def _install_checked() -> list[str]:
     """Every installer, or none: a vLLM function whose signature is not the adapter's
     record, a missing seam or any other failure to patch undoes what was patched and
-    raises PatchError. FaultConfigError (a bad test-only setting) is raised as it is."""
+    raises PatchError. A bad setting of this package (the retry budget, the fault
+    switch) is raised as it is: `vllm serve` stops and says which."""
+    from vllm_mmretry.budget import BudgetConfigError
     from vllm_mmretry.faults import FaultConfigError
 
     patched: list[str] = []
@@ -122,7 +124,7 @@ def _install_checked() -> list[str]:
             for step, install in _installers():
                 what = step  # named in the error if this one fails
                 patched.extend(install())
-    except FaultConfigError:
+    except (BudgetConfigError, FaultConfigError):
         _undo_partial()
         raise
     except Exception as exc:

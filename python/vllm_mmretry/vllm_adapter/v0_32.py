@@ -1203,6 +1203,10 @@ class Adapter(VllmAdapter):
             '(message, err_type=..., status_code=..., param=...)',
         'vllm.entrypoints.anthropic.api_router.translate_error_response':
             '(response)',
+        'LruKeyReplicatedReceiverCache.get_and_update_item':
+            '(self, mm_item, mm_hash)',
+        'vllm.multimodal.cache.factories._get_cache_type':
+            '(vllm_config)',
         'OutputProcessor':
             '(tokenizer, *, log_stats, stream_interval=..., tracing_enabled=..., '
             'admission_stats=...)',
