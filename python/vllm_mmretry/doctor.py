@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_mmretry import vllm_adapter
+from vllm_mmretry import switches, vllm_adapter
 from vllm_mmretry.switches import is_off
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -99,21 +99,24 @@ def check_plugin_loading() -> Check:
                      f"{PLUGIN_NAME}: vLLM will not load the plugin", details)
     if is_off(switch):
         return Check("plugin", WARN, f"VLLM_MMRETRY={switch}: the plugin loads but patches "
-                     "nothing", details)
+                     "nothing (but the fault switch, if set)", details)
     return Check("plugin", OK, "vLLM will load the plugin in every process "
                  f"({'all plugins allowed' if allowed is None else 'listed in VLLM_PLUGINS'})",
                  details)
 
 
-def check_settings() -> Check:
-    """The plugin's own settings, which `vllm serve` refuses at start-up when invalid."""
+def check_settings(plugin_on: bool = True) -> Check:
+    """The plugin's own settings, which `vllm serve` refuses at start-up when invalid
+    (the fault switch applies with the plugin off too), and the test-only switches."""
     from vllm_mmretry import budget, faults
 
     errors = []
-    try:
-        config = budget.config_from_env()
-    except budget.BudgetConfigError as exc:
-        errors.append(str(exc))
+    config = None
+    if plugin_on:
+        try:
+            config = budget.config_from_env()
+        except budget.BudgetConfigError as exc:
+            errors.append(str(exc))
     try:
         plan = faults.parse(os.environ.get(faults.ENV, ""))
     except faults.FaultConfigError as exc:
@@ -121,12 +124,17 @@ def check_settings() -> Check:
     if errors:
         return Check("settings", FAIL, "vllm serve would stop at start-up: " + "; ".join(errors),
                      {"errors": errors})
-    details = {"retry_budget": asdict(config), "faults": plan.spec if plan else None}
-    summary = (f"retry budget: {config.ratio:g} of requests, at least {config.min_retries} "
+    test_only = {name: os.environ[name] for name in switches.TEST_ONLY_ENVS if os.environ.get(name)}
+    details = {"retry_budget": asdict(config) if config else None,
+               "faults": plan.spec if plan else None, "test_only": test_only}
+    summary = ("plugin off" if config is None else
+               f"retry budget: {config.ratio:g} of requests, at least {config.min_retries} "
                f"retries per {config.window_s:g} s")
-    if plan is not None:
-        return Check("settings", WARN, f"{summary}; {faults.ENV}={plan.spec!r}: test-only "
-                     "multimodal cache misses are injected", details)
+    warnings = [f"{faults.ENV}={plan.spec!r}: test-only multimodal cache misses are injected"
+                ] if plan is not None else []
+    warnings += [f"{name}={value!r} is a test-only switch" for name, value in test_only.items()]
+    if warnings:
+        return Check("settings", WARN, "; ".join([summary, *warnings]), details)
     return Check("settings", OK, summary, details)
 
 
@@ -331,12 +339,14 @@ def _load_tokenizer(source: str, mode: str, trust_remote_code: bool) -> Any:
 
 # What the plugin would do in a running server: nothing when it is off or not loaded.
 PLUGIN_FEATURES: list[Callable[[], Check]] = [
-    check_settings, check_receive, check_native_decode, check_native_metrics,
-    check_catchup_records]
+    check_receive, check_native_decode, check_native_metrics, check_catchup_records]
 
 
 def run_checks(target: str | None, flags: list[str]) -> list[Check]:
-    checks = [check_vllm(), check_plugin_loading(), check_native_core()]
+    no_vllm = vllm_adapter.installed_vllm_version() is None
+    checks = [check_vllm(),
+              Check("plugin", SKIP, "needs vLLM") if no_vllm else check_plugin_loading(),
+              check_native_core()]
     if checks[0].status == FAIL:
         if target is not None:
             checks.append(Check("tokenizer", SKIP, "needs a supported vLLM"))
@@ -344,6 +354,7 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
         return checks
     plugin_on = checks[1].status == OK
     off = f"the plugin will not run: {checks[1].summary}"
+    checks.append(check_settings(plugin_on))
     for feature in PLUGIN_FEATURES:
         checks.append(feature() if plugin_on else Check(feature.__name__[len("check_"):], SKIP, off))
     args = None

@@ -46,7 +46,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_mmretry import _core, prom
+from vllm_mmretry import _core, prom, switches
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.switches import switch_on
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
@@ -58,7 +58,7 @@ MISS_CODE = "multimodal_cache_miss"
 NATIVE_DETOK_ENV = "VLLM_MMRETRY_NATIVE_DETOK"
 # Tests: comma-separated native parts whose start-up self-check is made to fail
 # ("outputs", "eco_offsets", "detok", "objects"), to show vLLM's own code taking over.
-FORCE_SELF_CHECK_FAIL_ENV = "VLLM_MMRETRY_FORCE_SELF_CHECK_FAIL"
+FORCE_SELF_CHECK_FAIL_ENV = switches.FORCE_SELF_CHECK_FAIL_ENV
 FORCE_OBJECTS = "objects"  # checked on the first request, not at build time
 
 # Names kept for callers of this module (the facts live in the adapter).

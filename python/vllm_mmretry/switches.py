@@ -19,3 +19,9 @@ def switch_on(name: str, default: bool = True) -> bool:
     """Whether the switch `name` is on; `default` when it is not set."""
     value = os.environ.get(name)
     return default if value is None else not is_off(value)
+
+
+# Test-only switches: each makes the plugin misbehave on purpose (doctor warns).
+FORCE_SELF_CHECK_FAIL_ENV = "VLLM_MMRETRY_FORCE_SELF_CHECK_FAIL"  # parts to turn off
+TEST_PANIC_ENV = "VLLM_MMRETRY_TEST_PANIC_ON_REQUEST"  # read by the core (core/mod.rs)
+TEST_ONLY_ENVS = (FORCE_SELF_CHECK_FAIL_ENV, TEST_PANIC_ENV)
