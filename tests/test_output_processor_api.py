@@ -93,7 +93,7 @@ def test_request_output_error_field() -> None:
     assert o.error is None
     err = RequestError(code="multimodal_cache_miss", message="m", retryable=True)
     o2 = RequestOutput.__new__(RequestOutput)
-    v0_32._ro_init(
+    v0_32._init_with_error(RequestOutput.__init__)(
         o2,
         request_id="x",
         prompt=None,
@@ -107,7 +107,7 @@ def test_request_output_error_field() -> None:
         finished=True,
         error=err,
     )
-    v0_32._ro_add(o, o2, aggregate=True)
+    v0_32._add_keeping_error(RequestOutput.add)(o, o2, aggregate=True)
     assert o.error is err and o.finished and o.outputs[0].text == "a"
 
 

@@ -206,6 +206,39 @@ def test_uninstall_puts_vllms_configure_logging_back() -> None:
     assert r == {"restored": True, "waiting": 1, "one_stand_in": True}
 
 
+def test_another_plugins_patch_made_after_the_adapter_loaded_still_runs() -> None:
+    """RequestOutput.__init__ patched by someone else between the adapter's import and
+    our install: ours wraps theirs, and uninstall gives theirs back."""
+    r = _run("""
+        import functools, json
+        from vllm_mmretry.vllm_adapter import adapter
+        adapter()  # the version module is imported
+        from vllm.outputs import CompletionOutput, RequestOutput
+        theirs_init = RequestOutput.__init__
+
+        @functools.wraps(theirs_init)
+        def tenant_init(self, *args, **kwargs):
+            theirs_init(self, *args, **kwargs)
+            self.tenant = "t1"
+
+        RequestOutput.__init__ = tenant_init
+        from vllm_mmretry import plugin
+        plugin.register()
+
+        def build():
+            c = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                 logprobs=None)
+            return RequestOutput(request_id="x", prompt=None, prompt_token_ids=[1],
+                                 prompt_logprobs=None, outputs=[c], finished=False)
+
+        o = build()
+        plugin.uninstall()
+        print(json.dumps({"tenant": getattr(o, "tenant", None), "error": o.error,
+                          "theirs_back": RequestOutput.__init__ is tenant_init}))
+    """)
+    assert r == {"tenant": "t1", "error": None, "theirs_back": True}
+
+
 def test_register_is_idempotent_and_refuses_double_patching() -> None:
     r = _run("""
         import json, vllm_mmretry

@@ -116,7 +116,7 @@ MERGE_FIELDS = MergeFields(
     kept_unless_none=("spec_decode_metrics", "routed_experts"),
     replaced=("cumulative_logprob", "weight_versions", "finish_reason", "stop_reason"),
     ro_or=("finished",), ro_replaced=("kv_transfer_params", "ec_transfer_params"),
-    # Not vLLM's add: ours (`_ro_add`) keeps a terminal error in the merged output.
+    # Not vLLM's add: ours (`_add_keeping_error`) keeps a terminal error in the merged output.
     ro_kept_unless_none=("error",),
 )
 # Where each ObjectFields name lives: (class, fields of ObjectFields). Instance
@@ -146,23 +146,30 @@ def ensure_request_output_error() -> None:
         RequestOutput.error = None
 
 
-_stock_ro_init = RequestOutput.__init__
-_stock_ro_add = RequestOutput.add
-
-
-@functools.wraps(_stock_ro_init)
-def _ro_init(self: RequestOutput, *args: Any, error: RequestError | None = None, **kwargs: Any) -> None:
-    _stock_ro_init(self, *args, **kwargs)
-    self.error = error
-
-
-@functools.wraps(_stock_ro_add)
-def _ro_add(self: RequestOutput, next_output: RequestOutput, aggregate: bool) -> None:
-    _stock_ro_add(self, next_output, aggregate)
-    # A merged delta keeps the terminal error (only the last output carries one).
-    error = getattr(next_output, "error", None)
-    if error is not None:
+# Built around the value they replace when they are patched in, so a patch another
+# plugin made before ours still runs inside ours.
+def _init_with_error(init: Callable[..., None]) -> Callable[..., None]:
+    """RequestOutput.__init__ taking the `error` keyword."""
+    @functools.wraps(init)
+    def __init__(self: RequestOutput, *args: Any, error: RequestError | None = None,
+                 **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
         self.error = error
+
+    return __init__
+
+
+def _add_keeping_error(add: Callable[..., None]) -> Callable[..., None]:
+    """RequestOutput.add that keeps a merged delta's terminal error (only the last
+    output carries one)."""
+    @functools.wraps(add)
+    def add_(self: RequestOutput, next_output: RequestOutput, aggregate: bool) -> None:
+        add(self, next_output, aggregate)
+        error = getattr(next_output, "error", None)
+        if error is not None:
+            self.error = error
+
+    return add_
 
 
 def miss_error(hashes: list[str]) -> RequestError:
@@ -1018,8 +1025,8 @@ class Adapter(VllmAdapter):
         from vllm.v1.engine import async_llm, llm_engine
 
         return [
-            (RequestOutput, "__init__", _ro_init),
-            (RequestOutput, "add", _ro_add),
+            (RequestOutput, "__init__", _init_with_error(RequestOutput.__init__)),
+            (RequestOutput, "add", _add_keeping_error(RequestOutput.add)),
             (async_llm, "OutputProcessor", processor_cls),
             (llm_engine, "OutputProcessor", processor_cls),
         ]
