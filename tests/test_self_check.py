@@ -131,6 +131,28 @@ def test_plugin_attribute_derived_from_arguments_falls_back(
     assert _warned(caplog, "text_chars")
 
 
+def test_fields_derived_from_whether_an_argument_is_set_fall_back(
+    tiny_tokenizer: Any, patch_outputs: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A release (or plugin) deriving a field from `finished` or from `finish_reason is
+    None`: the self-check's marks are all set and true, so only a construction with
+    empty arguments shows it; vLLM then builds every output."""
+
+    def status(o: Any) -> None:
+        o.status = "finished" if o.finished else "running"
+
+    def is_final(c: Any) -> None:
+        c.is_final = c.finish_reason is not None
+
+    patch_outputs(status, is_final)
+    op, stock, ours = _run(tiny_tokenizer)
+    assert ours == stock and "'running'" in repr(ours) and "'finished'" in repr(ours)
+    c = op.counters()
+    assert c["self_check_failed"] == {"outputs": 1}
+    assert c["fast_steps"] == 0 and c["fallbacks"] == {"self_check_outputs": 6}
+    assert _warned(caplog, "derived from the arguments: ['status']")
+
+
 def test_engine_core_output_field_change_hands_requests_to_vllm(
     tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

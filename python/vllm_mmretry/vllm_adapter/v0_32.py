@@ -529,6 +529,31 @@ def _differs(what: str, a: dict[str, Any], b: dict[str, Any], marks: dict[str, A
     return None
 
 
+# Each filled argument's empty or false value (None for the rest): a field derived
+# from whether an argument is set (`finished`, `finish_reason is None`) shows as a
+# difference from the marks, which are all set and true.
+_EMPTY_ARGS: dict[str, Any] = {
+    "request_id": "", "prompt_token_ids": [], "outputs": [], "finished": False,
+    "num_cached_tokens": 0, "num_cache_creation_tokens": 0, "index": 0, "text": "",
+    "token_ids": [],
+}
+
+
+def _empty_construction(cls: type, params: tuple[str, ...],
+                        fixed: dict[str, Any]) -> dict[str, Any]:
+    return dict(vars(cls(**{p: _EMPTY_ARGS.get(p) for p in params}, **fixed)))
+
+
+def _derived(what: str, a: dict[str, Any], empty: dict[str, Any],
+             marks: dict[str, Any]) -> str | None:
+    """Why the fields the native path copies from the template are not the same for
+    empty arguments, or None."""
+    if list(a) != list(empty):
+        return f"{what} fields depend on the arguments: {sorted(set(a) ^ set(empty))}"
+    derived = sorted(k for k in a if k not in marks and not _same(a[k], empty[k]))
+    return f"{what} fields derived from the arguments: {derived}" if derived else None
+
+
 def check_outputs() -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """Build RequestOutput and CompletionOutput twice through vLLM's constructors
     (after every plugin had its chance to patch them) and check the native path
@@ -542,10 +567,14 @@ def check_outputs() -> tuple[str | None, dict[str, Any], dict[str, Any]]:
         ro_b, ro_marks = _construct(RequestOutput, RO_PER_REQUEST + RO_FILLED, 2, ro_fixed)
         co_a, _ = _construct(CompletionOutput, CO_PER_REQUEST + CO_FILLED, 1, co_fixed)
         co_b, co_marks = _construct(CompletionOutput, CO_PER_REQUEST + CO_FILLED, 2, co_fixed)
+        ro_empty = _empty_construction(RequestOutput, RO_PER_REQUEST + RO_FILLED, ro_fixed)
+        co_empty = _empty_construction(CompletionOutput, CO_PER_REQUEST + CO_FILLED, co_fixed)
     except Exception as e:  # noqa: BLE001 - a constructor we cannot drive
         return f"constructor failed: {type(e).__name__}: {e}", {}, {}
     why = (_differs("RequestOutput", ro_a, ro_b, ro_marks)
-           or _differs("CompletionOutput", co_a, co_b, co_marks))
+           or _differs("CompletionOutput", co_a, co_b, co_marks)
+           or _derived("RequestOutput", ro_a, ro_empty, ro_marks)
+           or _derived("CompletionOutput", co_a, co_empty, co_marks))
     # The marks are overwritten per request and per output.
     base_ro = {k: (None if isinstance(v, _Mark) else v) for k, v in ro_a.items()}
     base_co = {k: (None if isinstance(v, _Mark) else v) for k, v in co_a.items()}
