@@ -13,6 +13,7 @@ import asyncio
 import gc
 import itertools
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -705,15 +706,42 @@ def test_this_process_has_one_libzmq_and_it_is_pyzmqs() -> None:
     path = receive.loaded_libzmq()
     assert path is not None and "libzmq" in path
     with pytest.raises(OSError, match="not a loaded library"):
-        _core_receiver("/nonexistent/libzmq.so.5", 1)
+        _core_receiver("/nonexistent/libzmq.so.5", _Handle(1))
     with pytest.raises(OSError, match="no socket"):
-        _core_receiver(path, 0)
+        _core_receiver(path, _Handle(0))
 
 
-def _core_receiver(path: str, handle: int) -> Any:
+class _Handle:
+    def __init__(self, underlying: Any) -> None:
+        self.underlying = underlying
+
+
+def test_the_receiver_takes_a_socket_object_not_a_raw_handle() -> None:
+    """A bare int (or anything without an int `underlying`) is an ordinary error,
+    never a pointer handed to libzmq; the socket is kept alive until stop()."""
     from vllm_mmretry import _core
 
-    return _core.SocketReceiver(path, handle)
+    path = receive.loaded_libzmq()
+    assert path is not None
+    for bad, error in ((1, AttributeError), (_Handle("1"), TypeError), (_Handle(-1), OverflowError),
+                       (None, AttributeError)):
+        with pytest.raises(error):
+            _core.SocketReceiver(path, bad)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    refs = sys.getrefcount(sock)
+    receiver = _core.SocketReceiver(path, sock)
+    assert sys.getrefcount(sock) == refs + 1
+    receiver.stop()
+    assert sys.getrefcount(sock) == refs
+    sock.close(linger=0)
+    ctx.term()
+
+
+def _core_receiver(path: str, socket: Any) -> Any:
+    from vllm_mmretry import _core
+
+    return _core.SocketReceiver(path, socket)
 
 
 def test_a_message_whose_frames_fail_to_wrap_is_kept_for_the_next_receive() -> None:

@@ -128,7 +128,8 @@ class SocketReceiver:
 
     # False once stop() has joined the thread.
     running: bool
-    def __new__(cls, libzmq_path: str, socket: int) -> SocketReceiver: ...
+    # `socket`: a pyzmq socket (its `underlying` handle), kept alive until stop().
+    def __new__(cls, libzmq_path: str, socket: Any) -> SocketReceiver: ...
     # The eventfd that turns readable once a message waits after pop() gave None.
     def fileno(self) -> int: ...
     # A message's frames (bytes, or wrap(bytes)); None when none waits; libzmq's

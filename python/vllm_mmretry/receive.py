@@ -265,7 +265,7 @@ def make_natively_received(sock: zmq.asyncio.Socket) -> bool:
     try:
         if path is None:
             raise OSError("no single loaded libzmq in /proc/self/maps")
-        receiver = _core.SocketReceiver(path, sock.underlying)
+        receiver = _core.SocketReceiver(path, sock)
     except (OSError, RuntimeError) as e:
         vllm_logger("vllm.vllm_mmretry.receive").warning(
             "vllm-mmretry: engine outputs are not received natively (%s)", e)

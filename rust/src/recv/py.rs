@@ -12,17 +12,23 @@ use crate::core::guarded;
 #[pyclass(module = "vllm_mmretry._core")]
 pub struct SocketReceiver {
     inner: Receiver,
+    /// The pyzmq socket, kept alive while the thread may poll it (until `stop`).
+    socket: Option<Py<PyAny>>,
 }
 
 #[pymethods]
 impl SocketReceiver {
-    /// Starts the thread on `socket` (pyzmq's `Socket.underlying`), calling the libzmq
-    /// already loaded from `libzmq_path`.
+    /// Starts the thread on the pyzmq `socket` (its `underlying` libzmq handle), calling
+    /// the libzmq already loaded from `libzmq_path`.
     #[new]
-    fn new(libzmq_path: &str, socket: usize) -> PyResult<Self> {
-        let inner = guarded("SocketReceiver()", || Receiver::start(libzmq_path, socket))?
+    fn new(libzmq_path: &str, socket: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let handle: usize = socket.getattr("underlying")?.extract()?;
+        let inner = guarded("SocketReceiver()", || Receiver::start(libzmq_path, handle))?
             .map_err(PyOSError::new_err)?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            socket: Some(socket.clone().unbind()),
+        })
     }
 
     /// The eventfd that becomes readable once a message waits after `pop` gave None.
@@ -65,6 +71,7 @@ impl SocketReceiver {
     fn stop(&mut self, py: Python<'_>) {
         let inner = &mut self.inner;
         py.detach(|| inner.stop());
+        self.socket = None;
     }
 
     #[getter]
