@@ -101,7 +101,7 @@ def main() -> None:
     native_push, native_pull = socket_pair(ctx, "bench-receive-native")
     libzmq = loaded_libzmq()
     assert libzmq is not None
-    receiver = _core.SocketReceiver(libzmq, native_pull.underlying)
+    receiver = _core.SocketReceiver(libzmq, native_pull)
     frames = message()
     sides: dict[str, tuple[zmq.Socket[Any], Any, Callable[[Any], Any]]] = {
         "pyzmq": (push, pull, pyzmq_read), "ready_first": (push, pull, ready_first_read),

@@ -64,7 +64,7 @@ def _starting_handler(start: Callable[[Any], None], seam: HandlerSeam) -> Any:
     """vLLM's handler starter that hooks the handler for catch-up records where it may."""
     @functools.wraps(start)
     def run_output_handler(engine: Any) -> None:
-        if engine.output_handler is not None:
+        if seam.started(engine):
             return
         why = seam.why_not(engine)
         if why is not None:

@@ -136,9 +136,10 @@ def _receiver_get_and_update_item(original: Any, miss_error: type[Exception]) ->
         st = _state
         if st is not None:
             with st.lock:
-                if mm_item is None and mm_hash in self._cache and st.should_drop():
+                entries = adapter().receiver_entries(self)
+                if mm_item is None and mm_hash in entries and st.should_drop():
                     # P0 sent no data trusting its shadow; make P1 forget it.
-                    self._cache.pop(mm_hash, None)
+                    entries.pop(mm_hash, None)
                     st.drops += 1
                     st.dropped.add(mm_hash)
                     _logger().warning(

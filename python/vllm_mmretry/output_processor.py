@@ -205,7 +205,7 @@ class OutputProcessor:
 
     def _update_admission_stats(self) -> None:
         if self.admission_stats is not None:
-            self.admission_stats.set_num_requests(len(self._core))
+            _vllm.set_admission_count(self.admission_stats, len(self._core))
 
     # -- requests
     def abort_requests(self, request_ids: Iterable[str], internal: bool) -> list[str]:

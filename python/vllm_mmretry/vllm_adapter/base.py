@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import argparse
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, MutableMapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, ClassVar
@@ -302,6 +302,7 @@ class HandlerSeam:
     method: str  # _run_output_handler
     why_not: Callable[[Any], str | None]
     start: Callable[[Any], Any]
+    started: Callable[[Any], bool]  # the engine's handler already runs
 
 
 @dataclass(frozen=True)
@@ -342,14 +343,15 @@ class VllmAdapter(abc.ABC):
     `new_request_state`, `fallback_reason`, `fast_spec`, `request_identity`,
     `native_vocab`, `new_stock_side`, `check_native_stats`, `update_stock_streaming_request`,
     `processor_output`,
-    `new_lora_states`, `update_scheduler_stats`, `is_engine_core_request`,
+    `new_lora_states`, `update_scheduler_stats`, `set_admission_count`, `is_engine_core_request`,
     `is_parent_request`, `output_processor_patches`, `process_outputs`,
     `streaming_input_collector`, `engine_classes`, `engine_output_processor`,
     `engine_renderer`, `ensure_request_output_error`, `miss_error`.
     Plugin (plugin.py): `remove_request_output_error`.
     Serving retry (retry.py): `retry_seams`, the generate-call, render, pooling and
     error helpers.
-    Fault switch (faults.py): `lru_receiver_cache`, `mm_cache_type_lookup`.
+    Fault switch (faults.py): `lru_receiver_cache`, `receiver_entries`,
+    `mm_cache_type_lookup`.
     Doctor (doctor.py): `serve_parser`, `serve_cache_type`, `load_tokenizer`.
     Engine-output receive (receive.py): `receive_seam`.
     """
@@ -429,6 +431,10 @@ class VllmAdapter(abc.ABC):
 
     @abc.abstractmethod
     def update_scheduler_stats(self, lora_states: Any, scheduler_stats: Any) -> None: ...
+
+    @abc.abstractmethod
+    def set_admission_count(self, admission_stats: Any, live_requests: int) -> None:
+        """Tell vLLM's shared admission statistics how many requests are live."""
 
     @abc.abstractmethod
     def is_engine_core_request(self, obj: Any) -> bool: ...
@@ -538,6 +544,10 @@ class VllmAdapter(abc.ABC):
     # --- fault switch
     @abc.abstractmethod
     def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]: ...
+
+    @abc.abstractmethod
+    def receiver_entries(self, cache: Any) -> MutableMapping[str, Any]:
+        """The received items of the P1 receiver `cache`, by multimodal hash."""
 
     @abc.abstractmethod
     def mm_cache_type_lookup(self) -> tuple[ModuleType, str]: ...

@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -1038,6 +1038,9 @@ class Adapter(VllmAdapter):
     def new_lora_states(self, log_stats: bool) -> Any:
         return LoRARequestStates(log_stats)
 
+    def set_admission_count(self, admission_stats: Any, live_requests: int) -> None:
+        admission_stats.set_num_requests(live_requests)
+
     def update_scheduler_stats(self, lora_states: Any, scheduler_stats: Any) -> None:
         lora_states.update_scheduler_stats(scheduler_stats)
 
@@ -1138,7 +1141,8 @@ class Adapter(VllmAdapter):
         def start(engine: Any) -> Any:
             return output_handler.start_with_catch_up(engine, vllm_start)
 
-        return HandlerSeam(AsyncLLM, "_run_output_handler", output_handler.handler_why_not, start)
+        return HandlerSeam(AsyncLLM, "_run_output_handler", output_handler.handler_why_not, start,
+                           started=lambda engine: engine.output_handler is not None)
 
     # --- fault switch -------------------------------------------------------
     def lru_receiver_cache(self) -> tuple[type[Any], type[Exception]]:
@@ -1148,6 +1152,10 @@ class Adapter(VllmAdapter):
         from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
 
         return LruKeyReplicatedReceiverCache, MultiModalCacheMissError
+
+    def receiver_entries(self, cache: Any) -> MutableMapping[str, Any]:
+        entries: MutableMapping[str, Any] = cache._cache  # LruKeyReplicatedReceiverCache's LRU
+        return entries
 
     # --- doctor
     def serve_parser(self) -> argparse.ArgumentParser:
