@@ -766,3 +766,36 @@ def test_a_message_whose_frames_fail_to_wrap_is_kept_for_the_next_receive() -> N
             wire.close()
 
     assert asyncio.run(go()) == ("no room for a frame", [b"first"], [b"second"])
+
+
+def test_an_abandoned_natively_received_socket_is_collected_and_its_thread_stopped() -> None:
+    """The socket and its receiver refer to each other; the garbage collector sees
+    both references, collects them, and pyzmq's finalizer stops the thread."""
+    import weakref
+
+    def threads() -> int:  # this package's receive threads
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                    names.append(comm.read().strip())
+            except OSError:
+                pass
+        return names.count("mmretry-recv")
+
+    ctx = zmq.asyncio.Context()
+    try:
+        gc.collect()
+        before = threads()
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(f"inproc://abandoned-{next(_addresses)}")
+        assert receive.make_natively_received(sock)
+        fd = receiver_of(sock).fileno()
+        assert threads() == before + 1 and fd_is_open(fd)
+        gone = weakref.ref(sock)
+        del sock
+        gc.collect()
+        assert gone() is None
+        assert threads() == before and not fd_is_open(fd)
+    finally:
+        ctx.destroy(linger=0)

@@ -4,6 +4,7 @@
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
+use pyo3::{PyTraverseError, PyVisit};
 
 use super::{Popped, Receiver};
 use crate::core::guarded;
@@ -77,6 +78,22 @@ impl SocketReceiver {
     #[getter]
     fn running(&self) -> bool {
         self.inner.running()
+    }
+
+    /// The socket held is visible to the garbage collector, so an abandoned socket and
+    /// its receiver (they refer to each other through the socket's `close`) are collected.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(socket) = &self.socket {
+            visit.call(socket)?;
+        }
+        Ok(())
+    }
+
+    /// The collector breaks the cycle: the thread stops before the socket is let go
+    /// (pyzmq's finalizer, which closes the socket, has already stopped it).
+    fn __clear__(&mut self) {
+        self.inner.stop();
+        self.socket = None;
     }
 }
 
