@@ -164,6 +164,26 @@ def test_a_changed_vllm_is_left_wholly_unpatched(drift: str) -> None:
     assert len(warned) == 1 and why in warned[0], r["lines"]
 
 
+@pytest.mark.parametrize("env", [{"VLLM_MMRETRY_FAULTS": "p1_miss=bogus"},
+                                 {"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "2"}])
+def test_a_bad_setting_stops_start_up_even_on_a_changed_vllm(env: dict[str, str]) -> None:
+    """The plugin's own settings are read before anything else is compared."""
+    setup, _ = DRIFTS["called_helper_changes"]
+    r = _run(f"""
+        import json
+        {textwrap.indent(setup, "        ").lstrip()}
+        from vllm_mmretry import _patching, plugin
+        try:
+            plugin.register()
+            raised = None
+        except Exception as exc:
+            raised = type(exc).__name__
+        print(json.dumps({{"raised": raised, "originals": len(_patching._originals)}}))
+    """, **env)
+    assert r["originals"] == 0
+    assert r["raised"] in ("FaultConfigError", "BudgetConfigError"), r
+
+
 def test_the_adapter_records_the_signature_of_every_target_and_called_function() -> None:
     """What `_install_checked` compares: complete for this vLLM, and matching it."""
     r = _run("""

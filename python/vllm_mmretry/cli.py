@@ -53,6 +53,10 @@ def main() -> None:
     try:
         _cpu_fallback = no_platform_detected()
     except ImportError:  # no vLLM here: doctor says so; serve cannot run
+        from vllm_mmretry import vllm_adapter
+
+        if vllm_adapter.installed_vllm_version() is not None:
+            raise  # vLLM is there, something it imports is not: its own error
         if len(sys.argv) > 1 and sys.argv[1] == "doctor":
             sys.exit(_doctor(sys.argv[2:]))
         sys.exit("vllm-mmretry: vLLM is not installed in this environment "

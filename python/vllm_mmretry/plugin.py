@@ -110,12 +110,15 @@ def _install_checked() -> list[str]:
     record, a missing seam or any other failure to patch undoes what was patched and
     raises PatchError. A bad setting of this package (the retry budget, the fault
     switch) is raised as it is: `vllm serve` stops and says which."""
+    from vllm_mmretry import budget, faults
     from vllm_mmretry.budget import BudgetConfigError
     from vllm_mmretry.faults import FaultConfigError
 
     patched: list[str] = []
     what = "adapter"
     try:
+        budget.config_from_env()  # a bad setting stops vllm serve, whatever else differs
+        faults.parse(os.environ.get(faults.ENV, ""))
         found = vllm_adapter.adapter()
         problems = _patching.signature_problems(found.called_functions(), found.SIGNATURES)
         if problems:
