@@ -57,8 +57,9 @@ def test_tiny_model_text_report(tiny_model_path: str) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1] == "vllm-mmretry doctor: all is well"
     by_name = {line.split()[2]: line for line in lines[:-1]}
-    assert set(by_name) == {"vllm", "plugin", "native_core", "settings", "receive", "native_decode",
-                            "native_metrics", "catchup_records", "tokenizer", "mm_cache"}
+    assert set(by_name) == {"vllm", "plugin", "native_core", "settings", "install", "receive",
+                            "native_decode", "native_metrics", "catchup_records", "tokenizer",
+                            "mm_cache"}
     assert all(line.startswith("[OK  ]") for line in by_name.values()), lines
     assert f"vLLM {installed_vllm_version()} is supported" in by_name["vllm"]
     assert "32001 tokens) runs on the native detokenizer" in by_name["tokenizer"]
@@ -235,6 +236,28 @@ def test_test_only_switches_are_warnings(name: str) -> None:
     status, r = report("doctor", **{name: "outputs"})
     assert status == 0 and r["checks"]["settings"]["status"] == "warn"
     assert f"{name}='outputs' is a test-only switch" in r["checks"]["settings"]["summary"]
+
+
+def test_a_vllm_changed_under_the_plugin_fails_the_install_check(tmp_path: Any) -> None:
+    """A vLLM function the adapter calls has another signature (a local patch, another
+    plugin: here a `sitecustomize`): `vllm serve` would leave vLLM unpatched, and the
+    doctor says so instead of "all is well"."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "from vllm.v1.engine.output_processor import OutputProcessor\n"
+        "def abort_requests(self, request_ids, internal, reason=None): ...\n"
+        "OutputProcessor.abort_requests = abort_requests\n")
+    status, r = report("doctor", PYTHONPATH=str(tmp_path))
+    assert status == 1 and r["checks"]["install"]["status"] == "fail"
+    assert ("would leave vLLM unpatched: cannot call OutputProcessor.abort_requests"
+            in r["checks"]["install"]["summary"])
+    status, r = report("doctor")
+    assert status == 0 and r["checks"]["install"]["status"] == "ok"
+
+
+def test_settings_are_skipped_when_vllm_will_not_load_the_plugin() -> None:
+    status, r = report("doctor", VLLM_PLUGINS="someother", VLLM_MMRETRY_FAULTS="p1_miss=bogus")
+    assert status == 1 and r["checks"]["plugin"]["status"] == "fail"
+    assert r["checks"]["settings"]["status"] == "skip"
 
 
 def test_doctor_without_vllm_reports_it_without_a_traceback(tmp_path: Any) -> None:

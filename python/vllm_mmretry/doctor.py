@@ -166,6 +166,26 @@ def _adapter_answer(name: str, ask: Callable[[Any], Any], unknown: str) -> Any:
     return answer
 
 
+def check_install() -> Check:
+    """Whether `register()` would patch this vLLM: a dry run of its all-or-nothing
+    install (the signature of every vLLM function patched or called), undone after."""
+    from vllm_mmretry import _patching, budget, faults, plugin
+
+    if plugin.active_patches():
+        return Check("install", OK, f"patched in this process ({len(plugin.active_patches())} "
+                     "patches)")
+    try:
+        labels = plugin._install_checked()
+    except _patching.PatchError as exc:
+        return Check("install", FAIL, f"vllm serve would leave vLLM unpatched: {exc}",
+                     {"error": str(exc)})
+    except (budget.BudgetConfigError, faults.FaultConfigError):
+        return Check("install", SKIP, "the settings above stop vllm serve first")
+    plugin.uninstall()
+    return Check("install", OK, f"all {len(labels)} patches and the functions the adapter "
+                 "calls match this vLLM", {"patches": labels})
+
+
 def check_receive() -> Check:
     """Whether the API server will receive engine outputs ready-first (receive.py)."""
     from vllm_mmretry import receive
@@ -339,7 +359,8 @@ def _load_tokenizer(source: str, mode: str, trust_remote_code: bool) -> Any:
 
 # What the plugin would do in a running server: nothing when it is off or not loaded.
 PLUGIN_FEATURES: list[Callable[[], Check]] = [
-    check_receive, check_native_decode, check_native_metrics, check_catchup_records]
+    check_install, check_receive, check_native_decode, check_native_metrics,
+    check_catchup_records]
 
 
 def run_checks(target: str | None, flags: list[str]) -> list[Check]:
@@ -354,7 +375,9 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
         return checks
     plugin_on = checks[1].status == OK
     off = f"the plugin will not run: {checks[1].summary}"
-    checks.append(check_settings(plugin_on))
+    # Switched off (a WARN), vLLM still calls register(), and the fault switch applies.
+    registered = checks[1].status in (OK, WARN)
+    checks.append(check_settings(plugin_on) if registered else Check("settings", SKIP, off))
     for feature in PLUGIN_FEATURES:
         checks.append(feature() if plugin_on else Check(feature.__name__[len("check_"):], SKIP, off))
     args = None
