@@ -116,8 +116,8 @@ def _completion(error: Any) -> Any:
 
 @pytest.mark.parametrize("retry_ends", ["output", "other_error", "nothing"])
 def test_recovered_counts_only_a_retry_that_produced_output(retry_ends: str) -> None:
-    """A retry whose stream ends with a non-retryable error, or with nothing, did not
-    recover the request."""
+    """A retry whose stream ends with a non-retryable error failed again (vLLM answers
+    it); one that ends with nothing was given up by its caller."""
     from prometheus_client import REGISTRY
     from vllm.outputs import RequestError
 
@@ -138,15 +138,19 @@ def test_recovered_counts_only_a_retry_that_produced_output(retry_ends: str) -> 
         call = retry._EndpointCall("/units", rerender, stream=False)
         return [o async for o in retry._guarded(call, 0, generate, ("prompt", None, "r-1"), {})]
 
-    def recovered() -> float:
-        value = REGISTRY.get_sample_value("vllm_mmretry_retries_total",
-                                          {"endpoint": "/units", "outcome": "recovered"})
-        return 0.0 if value is None else value
+    def counted() -> dict[str, float]:
+        values = {o: REGISTRY.get_sample_value("vllm_mmretry_retries_total",
+                                               {"endpoint": "/units", "outcome": o})
+                  for o in ("recovered", "failed_again", "budget_exhausted")}
+        return {o: v or 0.0 for o, v in values.items()}
 
-    before = recovered()
+    before = counted()
     outs = asyncio.run(drain())
     assert outs == second[retry_ends] and attempts == []
-    assert recovered() - before == (1 if retry_ends == "output" else 0)
+    after = counted()
+    grown = {o: after[o] - before[o] for o in after if after[o] != before[o]}
+    assert grown == {"output": {"recovered": 1}, "other_error": {"failed_again": 1},
+                     "nothing": {}}[retry_ends]
 
 
 def test_retryable_error_reads_only_terminal_retryable_structured_errors() -> None:

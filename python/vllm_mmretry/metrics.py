@@ -126,7 +126,8 @@ def count_cache_miss() -> None:
 
 def count_retry(endpoint: str, outcome: str) -> None:
     """A serving-layer retry decision: `recovered` (the retry produced output),
-    `failed_again` (answered 503 / error event) or `budget_exhausted` (no retry
+    `failed_again` (answered 503 / error event, or the retry ended in another error,
+    which vLLM answers) or `budget_exhausted` (no retry
     because the retry budget was spent)."""
     if outcome not in RETRY_OUTCOMES:
         raise ValueError(f"unknown retry outcome {outcome!r}; expected one of {RETRY_OUTCOMES}")

@@ -139,8 +139,10 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
             if error is not None:
                 _log_final(request_id, call.endpoint, error)
                 raise _final_answer(error.message)
-            if first is not None and getattr(first, "error", None) is None:
-                _metrics.count_retry(call.endpoint, "recovered")  # vllm-mmretry metrics hook
+            if first is not None:  # no output: the caller went away (nothing to count)
+                # vllm-mmretry metrics hook: another error is vLLM's to answer (a 500)
+                _metrics.count_retry(call.endpoint, "recovered" if getattr(first, "error", None)
+                                     is None else "failed_again")
         if first is None:
             return
         call.delivered = call.delivered or call.stream
