@@ -30,6 +30,7 @@ from output_processor_support import (
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP
+from vllm.v1.metrics.stats import PrefillStats
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
 
@@ -101,6 +102,14 @@ def _specs(data: st.DataObject, vocab: list[int]) -> list[ReqSpec]:
             )
         )
     return specs
+
+
+def _prefill(breakdown: tuple[int, int] | None) -> PrefillStats | None:
+    if breakdown is None:
+        return None
+    prompt, cached = breakdown
+    return PrefillStats(num_prompt_tokens=prompt, num_computed_tokens=prompt - cached,
+                        num_cached_tokens=cached, num_local_cached_tokens=cached)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native_detok", "python_detok"])
@@ -178,22 +187,27 @@ def test_same_outputs_as_stock(
                 err = data.draw(st.sampled_from([None] * 8 + ENGINE_ERRORS)) if ENGINE_ERRORS else None
                 if err is not None:  # rejected by the engine (e.g. paused): nothing ran
                     toks, fin, stop_reason = [], FinishReason.ERROR, None
-                plan.append((rid, toks, fin, stop_reason, err))
+                # The engine's prefill breakdown: (prompt tokens, of them cached).
+                prefill = data.draw(st.sampled_from([None] * 3 + [(3, 0), (5, 2), (4, 4)]))
+                plan.append((rid, toks, fin, stop_reason, err, prefill))
             # Sometimes an output for a request the processor no longer tracks.
             if data.draw(st.booleans()):
-                plan.append(("gone", [vocab[0]], None, None, None))
+                plan.append(("gone", [vocab[0]], None, None, None, None))
 
             def build(plan: list = plan) -> list:
-                return [eco(r, t, f, s, logprobs=logprobs_of.get(r), **error_kw(e)) for r, t, f, s, e in plan]
+                return [eco(r, t, f, s, logprobs=logprobs_of.get(r), prefill_stats=_prefill(pf),
+                            **error_kw(e)) for r, t, f, s, e, pf in plan]
 
             its_a = new_iteration_stats() if log_stats else None
             its_b = new_iteration_stats() if log_stats else None
-            outs_a, abort_a = stock.step(build(), stats=its_a)
-            outs_b, abort_b = ours.step(build(), stats=its_b)
+            # The weight version may change between steps (a weight update mid-request).
+            version = data.draw(st.sampled_from(["default", "default", "v2", None]), label="weights")
+            outs_a, abort_a = stock.step(build(), stats=its_a, weight_version=version)
+            outs_b, abort_b = ours.step(build(), stats=its_b, weight_version=version)
             assert [norm(o) for o in outs_b] == [norm(o) for o in outs_a]
             assert abort_b == abort_a
             assert norm_iteration_stats(its_b) == norm_iteration_stats(its_a)
-            done = set(abort_a) | {r for r, _, f, _, _ in plan if f is not None}
+            done = set(abort_a) | {r for r, _, f, _, _, _ in plan if f is not None}
             live = [x for x in live if x not in done]
         if data.draw(st.booleans(), label="drain"):
             compare_collectors()
