@@ -192,7 +192,7 @@ def test_the_adapter_records_the_signature_of_every_target_and_called_function()
         from vllm_mmretry.vllm_adapter import adapter
         state = plugin.register()
         found = adapter()
-        labels = [f"{getattr(o, '__name__', o)}.{n}" for o, n in _patching._originals]
+        labels = [_patching.label(o, n) for o, n in _patching._originals]
         print(json.dumps({"state": len(state), "labels": labels,
                           "called": sorted(found.called_functions()),
                           "recorded": sorted(found.SIGNATURES)}))

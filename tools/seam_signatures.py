@@ -23,7 +23,7 @@ def main() -> None:
     for _, install in plugin._installers():
         install()  # unchecked, to see every target
     for (owner, name), original in _patching._originals.items():
-        found[f"{getattr(owner, '__name__', owner)}.{name}"] = _patching.signature_of(original)
+        found[_patching.label(owner, name)] = _patching.signature_of(original)
     plugin.uninstall()
     for label, fn in adapter().called_functions().items():
         found[label] = _patching.signature_of(fn)

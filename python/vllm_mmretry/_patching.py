@@ -21,23 +21,29 @@ class PatchError(RuntimeError):
     """A target was missing or already patched by someone else's copy of us."""
 
 
+def label(owner: Any, name: str) -> str:
+    """How a patch target is named: in log lines and as the key of the adapter's
+    SIGNATURES table."""
+    return f"{getattr(owner, '__name__', owner)}.{name}"
+
+
 def patch_attr(owner: Any, name: str, new: Any) -> str:
     """Replace `owner.name` with `new`; return a label for the INFO line."""
-    label = f"{getattr(owner, '__name__', owner)}.{name}"
+    target = label(owner, name)
     if not hasattr(owner, name):
-        raise PatchError(f"cannot patch {label}: it does not exist in this vLLM")
+        raise PatchError(f"cannot patch {target}: it does not exist in this vLLM")
     current = getattr(owner, name)
     if (owner, name) in _originals or getattr(current, _MARK, None) is not None:
-        raise PatchError(f"refusing to patch {label} twice")
+        raise PatchError(f"refusing to patch {target} twice")
     if _expected is not None:
-        _check_signature(label, current, _expected)
+        _check_signature(target, current, _expected)
     try:
         setattr(new, _MARK, current)
     except (AttributeError, TypeError):
         pass  # e.g. bound methods; the _originals entry still guards us
     _originals[(owner, name)] = current
     setattr(owner, name, new)
-    return label
+    return target
 
 
 def is_patched(owner: Any, name: str) -> bool:
@@ -54,7 +60,7 @@ def restore_all() -> list[str]:
     restored = []
     for (owner, name), value in reversed(list(_originals.items())):
         setattr(owner, name, value)
-        restored.append(f"{getattr(owner, '__name__', owner)}.{name}")
+        restored.append(label(owner, name))
     _originals.clear()
     return restored
 

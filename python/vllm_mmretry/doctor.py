@@ -171,9 +171,9 @@ def check_install() -> Check:
     install (the signature of every vLLM function patched or called), undone after."""
     from vllm_mmretry import _patching, budget, faults, plugin
 
-    if plugin.active_patches():
-        return Check("install", OK, f"patched in this process ({len(plugin.active_patches())} "
-                     "patches)")
+    active = plugin.active_patches()
+    if active:
+        return Check("install", OK, f"patched in this process ({len(active)} patches)")
     try:
         labels = plugin._install_checked()
     except _patching.PatchError as exc:
