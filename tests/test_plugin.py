@@ -107,6 +107,26 @@ def test_disabled_with_an_unknown_vllm_and_faults_set_still_starts(version: str)
     assert r["state"] == [] and r["originals"] == 0, r
 
 
+def test_disabled_with_a_changed_receiver_cache_leaves_the_fault_switch_out() -> None:
+    """With the plugin off the fault switch is checked like every patch: a receiver
+    cache whose method changed is not patched, and vLLM still starts."""
+    r = _run(DRIFT_PROBE.format(setup=(
+        "from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache as R\n"
+        "    def get_and_update_item(self, item, key, extra=None): ...\n"
+        "    R.get_and_update_item = get_and_update_item")),
+        VLLM_MMRETRY="0", VLLM_MMRETRY_FAULTS="p1_miss=every:3")
+    assert r["state"] == [] and r["originals"] == 0, r
+    warned = [line for line in r["lines"] if "fault switch is not installed" in line]
+    assert len(warned) == 1 and "LruKeyReplicatedReceiverCache.get_and_update_item" in warned[0], r
+
+
+def test_disabled_with_faults_set_patches_the_receiver_cache_only() -> None:
+    r = _run(DRIFT_PROBE.format(setup=""), VLLM_MMRETRY="0",
+             VLLM_MMRETRY_FAULTS="p1_miss=every:3")
+    assert r["originals"] == 2 and r["op"] == "vllm.v1.engine.output_processor", r
+    assert all("[test fault p1_miss=every:3]" in label for label in r["state"]), r
+
+
 # A changed vLLM, as a point release or another plugin could leave it: each must leave
 # vLLM wholly unpatched with one WARNING naming what differs, not stop vLLM.
 DRIFTS = {

@@ -70,10 +70,7 @@ def register() -> list[str]:
     if not switch_on(ENV_SWITCH):
         # The test-only fault switch still applies, so tests can show what stock
         # vLLM does with the same induced fault.
-        from vllm_mmretry import faults
-
-        supported = vllm_adapter.is_supported(vllm_adapter.installed_vllm_version())
-        _state = faults.install() if supported else []
+        _state = _install_fault_switch_alone(log, proc)
         _emit(log.info, "vllm-mmretry disabled by %s=0 (%s); vLLM left unpatched%s",
               ENV_SWITCH, proc, f" except {', '.join(_state)}" if _state else "")
         return _state
@@ -105,11 +102,28 @@ def register() -> list[str]:
     return patched
 
 
-def _install_checked() -> list[str]:
-    """Every installer, or none: a vLLM function whose signature is not the adapter's
-    record, a missing seam or any other failure to patch undoes what was patched and
-    raises PatchError. A bad setting of this package (the retry budget, the fault
-    switch) is raised as it is: `vllm serve` stops and says which."""
+def _install_fault_switch_alone(log: logging.Logger, proc: str) -> list[str]:
+    """With the plugin off: the fault switch only, on a supported vLLM, checked like
+    every patch (a differing signature leaves vLLM unpatched with a WARNING)."""
+    from vllm_mmretry import faults
+
+    if not vllm_adapter.is_supported(vllm_adapter.installed_vllm_version()):
+        return []
+    try:
+        return _install_checked([("fault switch", faults.install)])
+    except _patching.PatchError as exc:
+        _emit(log.warning, "vllm-mmretry: %s (%s); the test fault switch is not installed",
+              exc, proc)
+        return []
+
+
+def _install_checked(
+        installers: list[tuple[str, Callable[[], list[str]]]] | None = None) -> list[str]:
+    """Every installer (all of them unless named), or none: a vLLM function whose
+    signature is not the adapter's record, a missing seam or any other failure to patch
+    undoes what was patched and raises PatchError. A bad setting of this package (the
+    retry budget, the fault switch) is raised as it is: `vllm serve` stops and says
+    which."""
     from vllm_mmretry import budget, faults
     from vllm_mmretry.budget import BudgetConfigError
     from vllm_mmretry.faults import FaultConfigError
@@ -117,14 +131,16 @@ def _install_checked() -> list[str]:
     patched: list[str] = []
     what = "adapter"
     try:
-        budget.config_from_env()  # a bad setting stops vllm serve, whatever else differs
+        if installers is None:  # the whole plugin: its settings and the functions it calls
+            budget.config_from_env()  # a bad setting stops vllm serve, whatever else differs
         faults.parse(os.environ.get(faults.ENV, ""))
         found = vllm_adapter.adapter()
-        problems = _patching.signature_problems(found.called_functions(), found.SIGNATURES)
-        if problems:
-            raise _patching.PatchError("; ".join(problems))
+        if installers is None:
+            problems = _patching.signature_problems(found.called_functions(), found.SIGNATURES)
+            if problems:
+                raise _patching.PatchError("; ".join(problems))
         with _patching.expecting(found.SIGNATURES):
-            for step, install in _installers():
+            for step, install in installers or _installers():
                 what = step  # named in the error if this one fails
                 patched.extend(install())
     except (BudgetConfigError, FaultConfigError):
