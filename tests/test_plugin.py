@@ -150,6 +150,10 @@ DRIFTS = {
         "P._collect = P._collect_batch\n"
         "del P._collect_batch",
         "installing the adapter failed: AttributeError"),
+    "read_field_is_gone": (
+        "from vllm.entrypoints.openai.completion.protocol import CompletionRequest as R\n"
+        "R.model_fields.pop('use_beam_search')",
+        "cannot read CompletionRequest.use_beam_search: not a field of this vLLM's class"),
     "called_helper_changes": (
         "from vllm.v1.engine.output_processor import OutputProcessor as O\n"
         "def abort_requests(self, request_ids, internal, reason=None): ...\n"

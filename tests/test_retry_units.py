@@ -15,6 +15,7 @@ import torch
 from fastapi import Request
 
 from vllm_mmretry import _patching, compat, plugin, retry
+from vllm_mmretry.vllm_adapter.base import OutputError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -157,7 +158,8 @@ def test_retryable_error_reads_only_terminal_retryable_structured_errors() -> No
     from vllm.outputs import RequestError
 
     miss = RequestError(code=retry.MM_CACHE_MISS, message="m", retryable=True)
-    assert retry.retryable_error(_pooling_output(miss)) is miss
+    assert retry.retryable_error(_pooling_output(miss)) == OutputError(retry.MM_CACHE_MISS, "m",
+                                                                        True)
     assert retry.retryable_error(_pooling_output(None)) is None
     assert retry.retryable_error(_pooling_output(
         RequestError(code="x", message="m", retryable=False))) is None

@@ -113,3 +113,27 @@ def signature_problems(targets: dict[str, Any], signatures: dict[str, str]) -> l
         except PatchError as exc:
             problems.append(str(exc).replace("cannot patch", "cannot call", 1))
     return problems
+
+
+def field_names(cls: Any) -> set[str]:
+    """The fields a class declares: pydantic's, a dataclass's or msgspec's, else its
+    constructor's parameters."""
+    for declared in ("model_fields", "__dataclass_fields__", "__struct_fields__"):
+        names = getattr(cls, declared, None)
+        if names is not None:
+            return set(names)
+    try:
+        return set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def field_problems(fields: dict[str, tuple[Any, tuple[str, ...]]]) -> list[str]:
+    """Which fields the adapter reads (label -> (class, names)) the class lacks."""
+    problems = []
+    for label_, (cls, names) in fields.items():
+        missing = [name for name in names if name not in field_names(cls)]
+        if missing:
+            problems.append(f"cannot read {label_}.{', '.join(missing)}: not a field of "
+                            "this vLLM's class")
+    return problems

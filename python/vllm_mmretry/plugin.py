@@ -136,7 +136,8 @@ def _install_checked(
         faults.parse(os.environ.get(faults.ENV, ""))
         found = vllm_adapter.adapter()
         if installers is None:
-            problems = _patching.signature_problems(found.called_functions(), found.SIGNATURES)
+            problems = [*_patching.signature_problems(found.called_functions(), found.SIGNATURES),
+                        *_patching.field_problems(found.read_fields())]
             if problems:
                 raise _patching.PatchError("; ".join(problems))
         with _patching.expecting(found.SIGNATURES):

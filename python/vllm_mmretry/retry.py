@@ -29,7 +29,7 @@ from typing import Any
 from vllm_mmretry import _patching, budget
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
-from vllm_mmretry.vllm_adapter.base import PoolingResults
+from vllm_mmretry.vllm_adapter.base import OutputError, PoolingResults
 
 MM_CACHE_MISS = "multimodal_cache_miss"
 # Headers on the final 503 so stock OpenAI clients retry on their own.
@@ -45,21 +45,20 @@ def _log() -> Any:
     return _logger
 
 
-def retryable_error(output: Any) -> Any:
+def retryable_error(output: Any) -> OutputError | None:
     """The structured error of a terminal output that may be retried, else None."""
-    error = getattr(output, "error", None)
-    if error is not None and getattr(error, "retryable", False) and output.finished:
-        return error
-    return None
+    error = adapter().finished_error(output)
+    return error if error is not None and error.retryable else None
 
 
-def _log_retry(request_id: str | None, endpoint: str, error: Any, skip_mm_cache: bool) -> None:
+def _log_retry(request_id: str | None, endpoint: str, error: OutputError,
+               skip_mm_cache: bool) -> None:
     _log().warning(
         "vllm-mmretry: retrying request %s (endpoint %s, error %s, attempt 2 of 2, "
         "skip_mm_cache=%s)", request_id, endpoint, error.code, skip_mm_cache)
 
 
-def _log_final(request_id: str | None, endpoint: str, error: Any) -> None:
+def _log_final(request_id: str | None, endpoint: str, error: OutputError) -> None:
     _log().warning(
         "vllm-mmretry: request %s failed again after its retry (endpoint %s, error %s, "
         "attempt 2 of 2); answering 503", request_id, endpoint, error.code)
@@ -141,7 +140,7 @@ async def _guarded(call: _EndpointCall, index: int, generate: Callable[..., Any]
                 raise _final_answer(error.message)
             if first is not None:  # no output: the caller went away (nothing to count)
                 # vllm-mmretry metrics hook: another error is vLLM's to answer (a 500)
-                _metrics.count_retry(call.endpoint, "recovered" if getattr(first, "error", None)
+                _metrics.count_retry(call.endpoint, "recovered" if adapter().finished_error(first)
                                      is None else "failed_again")
         if first is None:
             return
@@ -185,14 +184,15 @@ def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
     async def entry(self: Any, request: Any, raw_request: Any = None) -> Any:
         # Only HTTP requests of the API server retry; run_batch and other callers
         # without one (and beam search) keep vLLM's own policy.
-        if raw_request is None or getattr(request, "use_beam_search", False):
+        if raw_request is None or not adapter().retry_applies(request):
             return await original(self, request, raw_request)
         source = _copy(request)
 
         def rerender(skip_mm_cache: bool) -> Awaitable[list[Any]]:
             return render(self, _copy(source), skip_mm_cache)
 
-        call = _EndpointCall(_endpoint(raw_request, endpoint), rerender, bool(request.stream))
+        call = _EndpointCall(_endpoint(raw_request, endpoint), rerender,
+                             adapter().request_streams(request))
         budget.current().deposit(call.endpoint)
         token = _CALL.set(call)
         try:

@@ -275,6 +275,15 @@ class RetrySeams:
 
 
 @dataclass(frozen=True)
+class OutputError:
+    """The structured error of a finished engine output, as retry.py reads it."""
+
+    code: str
+    message: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
 class ReceiveSeam:
     """Where the async engine client reads engine outputs (receive.py).
 
@@ -472,12 +481,30 @@ class VllmAdapter(abc.ABC):
         process caches vLLM's environment already, or when none is known)."""
         return None, []
 
+    def read_fields(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
+        """label -> (a vLLM class, the fields of it the package reads), checked at
+        start-up beside the signatures."""
+        return {}
+
     @abc.abstractmethod
     def miss_error(self, hashes: list[str]) -> Any: ...
 
     # --- serving retry
     @abc.abstractmethod
     def retry_seams(self) -> RetrySeams: ...
+
+    @abc.abstractmethod
+    def finished_error(self, output: Any) -> OutputError | None:
+        """The structured error a finished output (generation or pooling) ends with,
+        None for a running output or one without an error."""
+
+    @abc.abstractmethod
+    def retry_applies(self, request: Any) -> bool:
+        """Whether an endpoint request may be retried here (beam search keeps vLLM's
+        own policy)."""
+
+    @abc.abstractmethod
+    def request_streams(self, request: Any) -> bool: ...
 
     @abc.abstractmethod
     def generate_request_id(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -555,6 +582,15 @@ class VllmAdapter(abc.ABC):
     # --- doctor
     @abc.abstractmethod
     def serve_parser(self) -> argparse.ArgumentParser: ...
+
+    @abc.abstractmethod
+    def parse_serve_args(self, argv: list[str]) -> argparse.Namespace: ...
+
+    @abc.abstractmethod
+    def serve_api_server_count(self, args: argparse.Namespace) -> int: ...
+
+    @abc.abstractmethod
+    def serve_tokenizer(self, target: str, args: argparse.Namespace) -> tuple[str, str, bool]: ...
 
     @abc.abstractmethod
     def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None: ...

@@ -49,6 +49,7 @@ from vllm_mmretry.vllm_adapter.base import (
     MergeFields,
     NativeDetokSpec,
     ObjectFields,
+    OutputError,
     OutputFields,
     OutputsWire,
     PoolingAttempt,
@@ -1166,6 +1167,32 @@ class Adapter(VllmAdapter):
         parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
         return parser
 
+    def parse_serve_args(self, argv: list[str]) -> argparse.Namespace:
+        args = self.serve_parser().parse_args(argv)
+        if getattr(args, "model_tag", None):  # `vllm serve MODEL` sets model_tag
+            args.model = args.model_tag
+        return args
+
+    @staticmethod
+    def serve_api_server_count(args: argparse.Namespace) -> int:
+        """How many API servers `vllm serve` with `args` starts. vLLM decides this
+        inside ServeSubcommand.cmd (not callable on its own): the same defaults."""
+        if args.headless:
+            return 0
+        if args.api_server_count is not None:
+            return int(args.api_server_count)
+        if args.data_parallel_external_lb or args.data_parallel_rank is not None:
+            return 1
+        if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
+            return int(args.data_parallel_size_local or 1)
+        return int(args.data_parallel_size)
+
+    @staticmethod
+    def serve_tokenizer(target: str, args: argparse.Namespace) -> tuple[str, str, bool]:
+        """(source, tokenizer mode, trust_remote_code) `vllm serve` loads its tokenizer with."""
+        return (args.tokenizer or target, args.tokenizer_mode or "auto",
+                bool(args.trust_remote_code))
+
     def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None:
         """The multimodal cache type `vllm serve` with `args` picks in an API server."""
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -1321,6 +1348,36 @@ class Adapter(VllmAdapter):
         return RetrySeams(OpenAIServingChat, OpenAIServingCompletion, PoolingBaseServing,
                           AsyncLLM, vllm_error, pooling_retried=(ServingEmbedding,),
                           self_answering_router=anthropic_router)
+
+    @staticmethod
+    def finished_error(output: Any) -> OutputError | None:
+        # RequestOutput (its `error` added at install on 0.32) and PoolingRequestOutput.
+        error = getattr(output, "error", None)
+        if error is None or not output.finished:
+            return None
+        return OutputError(error.code, error.message, error.retryable)
+
+    @staticmethod
+    def retry_applies(request: Any) -> bool:
+        return not request.use_beam_search  # Chat/CompletionRequest fields
+
+    @staticmethod
+    def request_streams(request: Any) -> bool:
+        return bool(request.stream)
+
+    def read_fields(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.outputs import PoolingRequestOutput
+
+        endpoint_request = ("stream", "use_beam_search")
+        return {
+            "ChatCompletionRequest": (ChatCompletionRequest, endpoint_request),
+            "CompletionRequest": (CompletionRequest, endpoint_request),
+            "RequestError": (RequestError, ("code", "message", "retryable")),
+            "RequestOutput": (RequestOutput, ("finished",)),
+            "PoolingRequestOutput": (PoolingRequestOutput, ("finished", "error")),
+        }
 
     # AsyncLLM.generate(prompt, sampling_params, request_id, *, ...)
     @staticmethod
