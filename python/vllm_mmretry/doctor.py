@@ -267,11 +267,10 @@ def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Chec
         return Check("tokenizer", SKIP, "no model or folder given")
     from vllm_mmretry.output_processor import NATIVE_DETOK_ENV, native_detok_enabled, native_vocab
 
-    source = getattr(args, "tokenizer", None) or target
-    mode = getattr(args, "tokenizer_mode", None) or "auto"
+    source, mode, trust_remote_code = _serve_tokenizer(target, args)
     details: dict[str, Any] = {"tokenizer": source, "tokenizer_mode": mode}
     try:
-        tokenizer = _load_tokenizer(source, mode, bool(getattr(args, "trust_remote_code", False)))
+        tokenizer = _load_tokenizer(source, mode, trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         details["error"] = repr(exc)
         return Check("tokenizer", FAIL, f"vLLM cannot load the tokenizer of {source}: {exc}",
@@ -318,35 +317,23 @@ def check_cache_layout(target: str | None, args: argparse.Namespace | None,
 
 
 # ------------------------------------------------------- vLLM seams
-# Everything version-specific is the adapter's (vllm_adapter); only `vllm serve`'s
-# API-server default is reproduced here.
+# Everything version-specific is the adapter's (vllm_adapter).
 
 
 def parse_serve_args(target: str | None, flags: list[str]) -> argparse.Namespace:
     """The namespace `vllm serve TARGET FLAGS...` would run with."""
     argv = ([target] if target else []) + flags
-    args: argparse.Namespace = vllm_adapter.adapter().serve_parser().parse_args(argv)
-    if getattr(args, "model_tag", None):
-        args.model = args.model_tag
-    return args
+    return vllm_adapter.adapter().parse_serve_args(argv)
 
 
-def _api_server_count(args: argparse.Namespace) -> int:
-    # `vllm serve` decides this inside ServeSubcommand.cmd (not callable on its
-    # own); the same defaults, for the layouts that matter here.
-    if args.headless:
-        return 0
-    if args.api_server_count is not None:
-        return int(args.api_server_count)
-    if args.data_parallel_external_lb or args.data_parallel_rank is not None:
-        return 1
-    if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
-        return int(args.data_parallel_size_local or 1)
-    return int(args.data_parallel_size)
+def _serve_tokenizer(target: str, args: argparse.Namespace | None) -> tuple[str, str, bool]:
+    if args is None:  # vLLM's serve flags could not be read: its defaults
+        return target, "auto", False
+    return vllm_adapter.adapter().serve_tokenizer(target, args)
 
 
 def _serve_cache_type(args: argparse.Namespace) -> tuple[str | None, int]:
-    api_servers = _api_server_count(args)
+    api_servers = vllm_adapter.adapter().serve_api_server_count(args)
     return vllm_adapter.adapter().serve_cache_type(args, api_servers), api_servers
 
 
