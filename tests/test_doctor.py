@@ -294,3 +294,46 @@ def test_fault_injection_is_a_warning() -> None:
     assert "test-only" in r["checks"]["settings"]["summary"]
     assert r["checks"]["settings"]["details"]["retry_budget"] == {
         "ratio": 0.2, "min_retries": 100, "window_s": 10.0}
+
+
+def test_the_model_may_be_given_as_a_flag(tiny_model_path: str) -> None:
+    """`vllm serve --model M` is as valid as `vllm serve M`; so is `--model=M`."""
+    for args in (["--model", tiny_model_path, "--api-server-count", "2"],
+                 ["--api-server-count", "2", f"--model={tiny_model_path}"]):
+        status, r = report("doctor", *args)
+        assert status == 0, r
+        assert r["checks"]["tokenizer"]["status"] == "ok"
+        cache = r["checks"]["mm_cache"]["details"]
+        assert (cache["cache_type"], cache["api_servers"]) == ("processor_only", 2), r
+
+
+def test_the_package_settings_pass_vllms_environment_check(tiny_model_path: str) -> None:
+    """With --fail-on-environ-validation vLLM refuses unknown VLLM_* variables; the
+    plugin declares its own, so the doctor (like vllm serve) passes."""
+    status, r = report("doctor", tiny_model_path, "--fail-on-environ-validation",
+                       VLLM_MMRETRY_RETRY_BUDGET_RATIO="0.3")
+    assert status == 0 and r["checks"]["mm_cache"]["status"] == "ok", r["checks"]["mm_cache"]
+    status, r = report("doctor", tiny_model_path, "--fail-on-environ-validation",
+                       VLLM_MMRETRY_RETRY_BUDGT_RATIO="0.3")
+    assert status == 1 and "VLLM_MMRETRY_RETRY_BUDGT_RATIO" in r["checks"]["mm_cache"]["summary"]
+
+
+@pytest.mark.parametrize(("flags", "refusal"), [
+    (["--enable-log-outputs"], "--enable-log-outputs requires --enable-log-requests"),
+    (["--data-parallel-size", "2", "--data-parallel-multi-port-external-lb",
+      "--data-parallel-size-local", "2"], "Non-MoE models do not support external data parallel"),
+])
+def test_serve_refusals_are_vllms_own(tiny_model_path: str, flags: list[str],
+                                      refusal: str) -> None:
+    """vLLM's checks of the serve flags and its choice of API servers run as in vllm
+    serve (a multi-port supervisor's child is an external-LB rank)."""
+    status, r = report("doctor", tiny_model_path, *flags)
+    failed = [c["summary"] for c in r["checks"].values() if c["status"] == "fail"]
+    assert status == 1 and len(failed) == 1 and refusal in failed[0], r
+
+
+def test_the_tokenizer_is_loaded_at_the_revision_serve_uses(tiny_model_path: str) -> None:
+    status, r = report("doctor", tiny_model_path, "--revision", "v2")
+    assert status == 0 and r["checks"]["tokenizer"]["details"]["revision"] == "v2", r
+    status, r = report("doctor", tiny_model_path, "--revision", "v2", "--tokenizer-revision", "v3")
+    assert status == 0 and r["checks"]["tokenizer"]["details"]["revision"] == "v3", r

@@ -127,6 +127,44 @@ def test_disabled_with_faults_set_patches_the_receiver_cache_only() -> None:
     assert all("[test fault p1_miss=every:3]" in label for label in r["state"]), r
 
 
+ENVIRON_PROBE = """
+    import json
+    from vllm import envs
+    from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+    import os
+    load_general_plugins()  # vLLM loads the plugin, then checks the environment
+    try:
+        current_platform.validate_environ(True)  # --fail-on-environ-validation
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    key = envs.compile_factors()
+    for name in [n for n in os.environ if n.startswith("VLLM_MMRETRY")]:
+        os.environ[name] = "changed"
+    same_key = envs.compile_factors() == key
+    from vllm_mmretry import plugin
+    plugin.uninstall()
+    print(json.dumps({{"refused": refused, "same_compile_key": same_key,
+                      "left": [n for n in envs.environment_variables if "MMRETRY" in n]}}))
+"""
+
+
+@pytest.mark.parametrize("env", [{"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "0.3"},
+                                 {"VLLM_MMRETRY": "0", "VLLM_MMRETRY_FAULTS": "p1_miss=every:3"}])
+def test_the_package_variables_pass_vllms_environment_check(env: dict[str, str]) -> None:
+    """vLLM refuses (or warns about) every VLLM_* variable it does not know: the plugin
+    declares its own, on or off; their values stay out of vLLM's torch.compile cache key."""
+    r = _run(ENVIRON_PROBE.format(), **env)
+    assert r == {"refused": None, "same_compile_key": True, "left": []}, r
+
+
+def test_a_misspelt_package_variable_is_still_refused_by_vllm() -> None:
+    r = _run(ENVIRON_PROBE.format(), VLLM_MMRETRY_RETRY_BUDGT_RATIO="0.3")
+    assert r["refused"] == "Unknown vLLM environment variable detected: " \
+        "VLLM_MMRETRY_RETRY_BUDGT_RATIO", r
+
+
 # A changed vLLM, as a point release or another plugin could leave it: each must leave
 # vLLM wholly unpatched with one WARNING naming what differs, not stop vLLM.
 DRIFTS = {

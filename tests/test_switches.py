@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 
 from vllm_mmretry import catchup, output_processor, prom, receive, switches
@@ -36,3 +39,17 @@ def test_the_package_switches_agree(monkeypatch: pytest.MonkeyPatch, value: str,
     assert receive.native_decode_enabled() is on
     assert output_processor.native_detok_enabled() is on
     assert output_processor.native_detok_enabled(not on) is (not on)
+
+
+def _names_read_by_the_sources() -> set[str]:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sources = [*root.joinpath("python", "vllm_mmretry").rglob("*.py"),
+               *(p for p in root.joinpath("rust", "src").rglob("*.rs") if p.name != "tests.rs")]
+    names = set()
+    for path in sources:
+        names.update(re.findall(r'"(VLLM_MMRETRY(?:_[A-Z_]+)?)"', path.read_text()))
+    return names
+
+
+def test_every_variable_the_package_reads_is_declared_to_vllm() -> None:
+    assert set(switches.PACKAGE_ENVS) == _names_read_by_the_sources()

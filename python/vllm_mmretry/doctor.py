@@ -267,10 +267,10 @@ def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Chec
         return Check("tokenizer", SKIP, "no model or folder given")
     from vllm_mmretry.output_processor import NATIVE_DETOK_ENV, native_detok_enabled, native_vocab
 
-    source, mode, trust_remote_code = _serve_tokenizer(target, args)
-    details: dict[str, Any] = {"tokenizer": source, "tokenizer_mode": mode}
+    source, options = _serve_tokenizer(target, args)
+    details: dict[str, Any] = {"tokenizer": source, **options}
     try:
-        tokenizer = _load_tokenizer(source, mode, trust_remote_code)
+        tokenizer = vllm_adapter.adapter().load_tokenizer(source, options)
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         details["error"] = repr(exc)
         return Check("tokenizer", FAIL, f"vLLM cannot load the tokenizer of {source}: {exc}",
@@ -326,19 +326,15 @@ def parse_serve_args(target: str | None, flags: list[str]) -> argparse.Namespace
     return vllm_adapter.adapter().parse_serve_args(argv)
 
 
-def _serve_tokenizer(target: str, args: argparse.Namespace | None) -> tuple[str, str, bool]:
+def _serve_tokenizer(target: str, args: argparse.Namespace | None) -> tuple[str, dict[str, Any]]:
     if args is None:  # vLLM's serve flags could not be read: its defaults
-        return target, "auto", False
+        return target, {}
     return vllm_adapter.adapter().serve_tokenizer(target, args)
 
 
 def _serve_cache_type(args: argparse.Namespace) -> tuple[str | None, int]:
-    api_servers = vllm_adapter.adapter().serve_api_server_count(args)
-    return vllm_adapter.adapter().serve_cache_type(args, api_servers), api_servers
-
-
-def _load_tokenizer(source: str, mode: str, trust_remote_code: bool) -> Any:
-    return vllm_adapter.adapter().load_tokenizer(source, mode, trust_remote_code)
+    api_servers, server_args = vllm_adapter.adapter().serve_api_servers(args)
+    return vllm_adapter.adapter().serve_cache_type(server_args, api_servers), api_servers
 
 
 # ------------------------------------------------------------------ report
@@ -369,6 +365,10 @@ def run_checks(target: str | None, flags: list[str]) -> list[Check]:
         checks.append(feature() if plugin_on else Check(feature.__name__[len("check_"):], SKIP, off))
     args = None
     if target is not None:
+        if registered:  # as register() does before vllm serve checks the environment
+            from vllm_mmretry import plugin
+
+            plugin.declare_environment()
         try:
             args = parse_serve_args(target, flags)
         except SystemExit:
@@ -406,6 +406,19 @@ def render_json(checks: list[Check]) -> str:
                        "checks": {c.name: asdict(c) for c in checks}}, indent=2, default=str)
 
 
+def split_target(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The model or folder (first, as `vllm serve MODEL`, or as `--model MODEL`) and
+    the other serve flags."""
+    if argv and not argv[0].startswith("-"):
+        return argv[0], argv[1:]
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
 def main(argv: list[str]) -> int:
     """`argv`: [MODEL_OR_FOLDER] [serve flags...] [--json]."""
     as_json = "--json" in argv
@@ -413,8 +426,7 @@ def main(argv: list[str]) -> int:
     if rest and rest[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    target = rest[0] if rest and not rest[0].startswith("-") else None
-    flags = rest[1:] if target is not None else rest
+    target, flags = split_target(rest)
     checks = run_checks(target, flags)
     print(render_json(checks) if as_json else render_text(checks))
     sys.stdout.flush()

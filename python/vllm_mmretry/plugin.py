@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from vllm_mmretry import _patching, vllm_adapter
-from vllm_mmretry.switches import switch_on
+from vllm_mmretry.switches import PACKAGE_ENVS, switch_on
 
 logger = logging.getLogger("vllm_mmretry")
 
@@ -17,6 +17,8 @@ ENV_SWITCH = "VLLM_MMRETRY"
 
 # Set once per process: None = not yet run, else the labels patched (maybe empty).
 _state: list[str] | None = None
+# The package's variables this process declared to vLLM (declare_environment).
+_declared: list[str] = []
 
 
 def _installers() -> list[tuple[str, Callable[[], list[str]]]]:
@@ -67,6 +69,7 @@ def register() -> list[str]:
         return _state
     log = _vllm_logger()
     proc = _process_name()
+    declare_environment()
     if not switch_on(ENV_SWITCH):
         # The test-only fault switch still applies, so tests can show what stock
         # vLLM does with the same induced fault.
@@ -161,6 +164,14 @@ def _undo_partial() -> None:
     _remove_request_output_error()
 
 
+def declare_environment() -> None:
+    """Declare the package's variables to a supported vLLM, on or off (vLLM loads the
+    plugin before it checks the environment)."""
+    found = vllm_adapter.get()
+    if found is not None and not _declared:
+        _declared.extend(found.declare_environment(PACKAGE_ENVS))
+
+
 def active_patches() -> list[str]:
     """What `register()` patched in this process ([] if disabled or not run)."""
     return list(_state or [])
@@ -177,6 +188,10 @@ def uninstall() -> list[str]:
         restored.extend(prom.restore())
     restored.extend(_remove_request_output_error())
     vllm_adapter.drop_pending_lines()  # this process's lines are about what was undone
+    found = vllm_adapter.get()
+    if found is not None:
+        found.undeclare_environment(_declared)
+    _declared.clear()
     _state = None
     return restored
 

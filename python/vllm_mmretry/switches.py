@@ -25,3 +25,23 @@ def switch_on(name: str, default: bool = True) -> bool:
 FORCE_SELF_CHECK_FAIL_ENV = "VLLM_MMRETRY_FORCE_SELF_CHECK_FAIL"  # parts to turn off
 TEST_PANIC_ENV = "VLLM_MMRETRY_TEST_PANIC_ON_REQUEST"  # read by the core (core/mod.rs)
 TEST_ONLY_ENVS = (FORCE_SELF_CHECK_FAIL_ENV, TEST_PANIC_ENV)
+
+# Every variable the package reads, declared to vLLM at start-up so that its check of
+# VLLM_* variables (`--fail-on-environ-validation`, else a WARNING per variable) knows
+# them; a misspelt one is still vLLM's "unknown". tests/test_switches.py checks the list
+# against the names the sources read.
+PACKAGE_ENVS = (
+    "VLLM_MMRETRY",
+    "VLLM_MMRETRY_CATCHUP_RECORDS",
+    "VLLM_MMRETRY_FAULTS",
+    "VLLM_MMRETRY_METRICS_INTERVAL",
+    "VLLM_MMRETRY_NATIVE_DECODE",
+    "VLLM_MMRETRY_NATIVE_DETOK",
+    "VLLM_MMRETRY_NATIVE_METRICS",
+    "VLLM_MMRETRY_NATIVE_RECEIVE",
+    "VLLM_MMRETRY_READY_FIRST_RECEIVE",
+    "VLLM_MMRETRY_RETRY_BUDGET_MIN_RETRIES",
+    "VLLM_MMRETRY_RETRY_BUDGET_RATIO",
+    "VLLM_MMRETRY_RETRY_BUDGET_WINDOW_S",
+    *TEST_ONLY_ENVS,
+)

@@ -481,6 +481,13 @@ class VllmAdapter(abc.ABC):
         process caches vLLM's environment already, or when none is known)."""
         return None, []
 
+    @abc.abstractmethod
+    def declare_environment(self, names: tuple[str, ...]) -> list[str]:
+        """Make vLLM's environment check know `names`; the ones added."""
+
+    @abc.abstractmethod
+    def undeclare_environment(self, names: list[str]) -> None: ...
+
     def read_fields(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
         """label -> (a vLLM class, the fields of it the package reads), checked at
         start-up beside the signatures."""
@@ -587,13 +594,14 @@ class VllmAdapter(abc.ABC):
     def parse_serve_args(self, argv: list[str]) -> argparse.Namespace: ...
 
     @abc.abstractmethod
-    def serve_api_server_count(self, args: argparse.Namespace) -> int: ...
+    def serve_api_servers(self, args: argparse.Namespace) -> tuple[int, argparse.Namespace]: ...
 
     @abc.abstractmethod
-    def serve_tokenizer(self, target: str, args: argparse.Namespace) -> tuple[str, str, bool]: ...
+    def serve_tokenizer(self, target: str,
+                        args: argparse.Namespace) -> tuple[str, dict[str, Any]]: ...
 
     @abc.abstractmethod
     def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None: ...
 
     @abc.abstractmethod
-    def load_tokenizer(self, source: str, mode: str, trust_remote_code: bool) -> Any: ...
+    def load_tokenizer(self, source: str, options: dict[str, Any]) -> Any: ...

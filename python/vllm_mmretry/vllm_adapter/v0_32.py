@@ -173,6 +173,13 @@ def _add_keeping_error(add: Callable[..., None]) -> Callable[..., None]:
     return add_
 
 
+def _not_hashed() -> None:
+    """vLLM's getter for a variable of this package. vLLM hashes every declared
+    variable's value into its torch.compile cache key (`envs.compile_factors`); None
+    keeps the package's settings out of it (the package reads them from os.environ)."""
+    return None
+
+
 def miss_error(hashes: list[str]) -> RequestError:
     _metrics.count_cache_miss()  # vllm-mmretry metrics hook
     n = len(hashes)
@@ -1168,30 +1175,72 @@ class Adapter(VllmAdapter):
         return parser
 
     def parse_serve_args(self, argv: list[str]) -> argparse.Namespace:
+        """The arguments `vllm serve ARGV` runs with, after vLLM's own checks of them."""
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
         args = self.serve_parser().parse_args(argv)
         if getattr(args, "model_tag", None):  # `vllm serve MODEL` sets model_tag
             args.model = args.model_tag
+        validate_parsed_serve_args(args)
         return args
 
     @staticmethod
-    def serve_api_server_count(args: argparse.Namespace) -> int:
-        """How many API servers `vllm serve` with `args` starts. vLLM decides this
-        inside ServeSubcommand.cmd (not callable on its own): the same defaults."""
-        if args.headless:
-            return 0
-        if args.api_server_count is not None:
-            return int(args.api_server_count)
-        if args.data_parallel_external_lb or args.data_parallel_rank is not None:
-            return 1
-        if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
-            return int(args.data_parallel_size_local or 1)
-        return int(args.data_parallel_size)
+    def serve_api_servers(args: argparse.Namespace) -> tuple[int, argparse.Namespace]:
+        """How many API servers share one engine when `vllm serve` runs with `args`,
+        and the arguments one of them runs with (a multi-port supervisor's child's).
+        vLLM decides it inside `ServeSubcommand.cmd` (the load-balancing modes, the
+        Rust front end, elastic EP), so that runs, with the launchers it picks from
+        replaced by a stop that records the choice; vLLM's own errors (two
+        load-balancing modes, ...) are raised as vLLM raises them."""
+        import copy
+
+        from vllm.entrypoints.cli import serve
+        from vllm.entrypoints.launchers import dp_supervisor
+
+        if getattr(args, "grpc", False):
+            return 1, args  # one gRPC server process in front of the engine
+        chosen: dict[str, Any] = {}
+
+        class _Chosen(Exception):
+            pass
+
+        def stop(name: str) -> Callable[..., Any]:
+            def launcher(launched: argparse.Namespace, *_: Any, **__: Any) -> Any:
+                chosen.update(launcher=name, args=launched)
+                raise _Chosen
+            return launcher
+
+        launchers = ("run_server", "run_headless", "run_multi_api_server", "run_dp_supervisor")
+        saved = {name: getattr(serve, name) for name in launchers}
+        try:
+            for name in launchers:
+                setattr(serve, name, stop(name))
+            serve.ServeSubcommand.cmd(copy.copy(args))
+        except _Chosen:
+            pass
+        finally:
+            for name, value in saved.items():
+                setattr(serve, name, value)
+        launched: argparse.Namespace = chosen["args"]
+        if chosen["launcher"] == "run_headless":
+            return 0, launched
+        if chosen["launcher"] == "run_dp_supervisor":  # one API server per local rank
+            dp_supervisor.validate_multi_port_external_lb_args(launched)
+            return 1, dp_supervisor._build_vllm_dp_server_args(launched, 0)
+        if chosen["launcher"] == "run_server":
+            return 1, launched
+        return int(launched.api_server_count), launched
 
     @staticmethod
-    def serve_tokenizer(target: str, args: argparse.Namespace) -> tuple[str, str, bool]:
-        """(source, tokenizer mode, trust_remote_code) `vllm serve` loads its tokenizer with."""
-        return (args.tokenizer or target, args.tokenizer_mode or "auto",
-                bool(args.trust_remote_code))
+    def serve_tokenizer(target: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+        """Where and how `vllm serve` loads its tokenizer (ModelConfig's defaults: the
+        tokenizer's revision is the model's unless given)."""
+        return args.tokenizer or target, {
+            "tokenizer_mode": args.tokenizer_mode or "auto",
+            "trust_remote_code": bool(args.trust_remote_code),
+            "revision": args.tokenizer_revision or args.revision,
+            "download_dir": args.download_dir,
+        }
 
     def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None:
         """The multimodal cache type `vllm serve` with `args` picks in an API server."""
@@ -1206,10 +1255,10 @@ class Adapter(VllmAdapter):
         cache_type: str | None = getattr(module, name)(config)
         return cache_type
 
-    def load_tokenizer(self, source: str, mode: str, trust_remote_code: bool) -> Any:
+    def load_tokenizer(self, source: str, options: dict[str, Any]) -> Any:
         from vllm.tokenizers import get_tokenizer
 
-        return get_tokenizer(source, tokenizer_mode=mode, trust_remote_code=trust_remote_code)
+        return get_tokenizer(source, **options)
 
     def remove_request_output_error(self) -> list[str]:
         """Drop the `RequestOutput.error` class default `ensure_request_output_error` added."""
@@ -1364,6 +1413,23 @@ class Adapter(VllmAdapter):
     @staticmethod
     def request_streams(request: Any) -> bool:
         return bool(request.stream)
+
+    @staticmethod
+    def declare_environment(names: tuple[str, ...]) -> list[str]:
+        from vllm import envs
+
+        added = [name for name in names if name not in envs.environment_variables]
+        for name in added:
+            envs.environment_variables[name] = _not_hashed
+        return added
+
+    @staticmethod
+    def undeclare_environment(names: list[str]) -> None:
+        from vllm import envs
+
+        for name in names:
+            if envs.environment_variables.get(name) is _not_hashed:
+                del envs.environment_variables[name]
 
     def read_fields(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
