@@ -144,3 +144,12 @@ def test_bad_env_value_stops_the_retry_install(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(budget.ENV_WINDOW, "-5")
     with pytest.raises(BudgetConfigError, match="VLLM_MMRETRY_RETRY_BUDGET_WINDOW_S"):
         retry.install()
+
+
+@pytest.mark.parametrize(("requests", "granted"), [(1, 0), (4, 0), (5, 1), (9, 1), (10, 2)])
+def test_a_retry_is_granted_only_when_a_whole_one_fits(requests: int, granted: int) -> None:
+    """The documented rule: retries + 1 <= ratio x requests + min_retries."""
+    b, _, _ = _budget(ratio=0.2, floor=0)
+    for _ in range(requests):
+        b.deposit("/e")
+    assert _withdraw_all(b, "/e") == granted

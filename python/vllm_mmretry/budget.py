@@ -4,9 +4,9 @@ A mass cache drift (an engine restart behind a warm front end, an eviction storm
 would otherwise retry every multimodal request once and double the engine's load
 at the worst moment. The budget follows Finagle's `RetryBudget` (also tower's
 `TpsBudget`): every request the retry covers makes a deposit that counts for
-`window` seconds; a retry is allowed while
+`window` seconds; a retry is allowed while a whole one still fits:
 
-    retries in the window < ratio * requests in the window + min_retries
+    retries in the window + 1 <= ratio * requests in the window + min_retries
 
 `min_retries` is the floor that lets a quiet server (few requests per window)
 still retry. Past the budget the retryable error is answered at once (HTTP 503 with
