@@ -274,6 +274,7 @@ def test_doctor_without_vllm_reports_it_without_a_traceback(tmp_path: Any) -> No
 
 @pytest.mark.parametrize("env, what", [
     ({"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "2"}, "VLLM_MMRETRY_RETRY_BUDGET_RATIO='2'"),
+    ({"VLLM_MMRETRY_METRICS_INTERVAL": "inf"}, "VLLM_MMRETRY_METRICS_INTERVAL='inf'"),
     ({"VLLM_MMRETRY_FAULTS": "p1_miss=bogus"}, "VLLM_MMRETRY_FAULTS='p1_miss=bogus'"),
 ])
 def test_settings_serve_refuses_fail_the_doctor(tiny_model_path: str, env: dict[str, str],

@@ -110,3 +110,52 @@ def test_events_and_info() -> None:
     on = {"version": __version__, "vllm_version": installed_vllm_version(), "native_loop": "1"}
     assert sample("vllm_mmretry_info", **on, native_detok="1") == 1
     assert sample("vllm_mmretry_info", **on, native_detok="0") == 0  # superseded
+
+
+def test_retry_series_exist_at_zero_for_the_retrying_endpoints() -> None:
+    metrics._get()
+    for endpoint in metrics.RETRY_ENDPOINTS:
+        for outcome in metrics.RETRY_OUTCOMES:
+            assert REGISTRY.get_sample_value("vllm_mmretry_retries_total", {
+                "endpoint": endpoint, "outcome": outcome}) is not None, (endpoint, outcome)
+
+
+def _native_loop_label() -> str:
+    labels = metrics._get().info_labels
+    assert labels is not None
+    return labels[2]
+
+
+@pytest.mark.parametrize("part", ["outputs", "objects"])
+def test_a_self_check_that_hands_every_request_to_vllm_shows_on_metrics(
+        tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, part: str) -> None:
+    """`outputs` fails at construction, `objects` on the first request; either way the
+    info metric says native_loop 0 and the failed part is exported."""
+    from vllm_mmretry.output_processor import FORCE_SELF_CHECK_FAIL_ENV
+
+    OutputProcessor(tiny_tokenizer, log_stats=False)
+    assert _native_loop_label() == "1"
+    monkeypatch.setenv(FORCE_SELF_CHECK_FAIL_ENV, part)
+    op = OutputProcessor(tiny_tokenizer, log_stats=False)
+    Side(op, True).add(ReqSpec(f"r-{part}", f"r-{part}", [1]))  # a request for the native loop
+    generate_latest(REGISTRY)  # a scrape: publishes this thread's processors
+    assert _native_loop_label() == "0"
+    assert sample("vllm_mmretry_self_check_failed", part=part) == 1
+    info = {k: v for k, v in zip(("version", "vllm_version", "native_loop", "native_detok"),
+                                 metrics._get().info_labels or (), strict=True)}
+    assert sample("vllm_mmretry_info", **info) == 1
+
+
+@pytest.mark.parametrize("raw", ["1,5", "inf", "nan", "0.01", "3601", ""])
+def test_a_bad_publishing_interval_is_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv(metrics.INTERVAL_ENV, raw)
+    with pytest.raises(metrics.MetricsConfigError, match=metrics.INTERVAL_ENV):
+        metrics.interval_from_env()
+    assert metrics.interval_s() == metrics.DEFAULT_INTERVAL_S
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [("0.05", 0.05), (" 2 ", 2.0), ("3600", 3600.0)])
+def test_a_publishing_interval_in_range_is_taken(monkeypatch: pytest.MonkeyPatch, raw: str,
+                                                 seconds: float) -> None:
+    monkeypatch.setenv(metrics.INTERVAL_ENV, raw)
+    assert metrics.interval_from_env() == seconds

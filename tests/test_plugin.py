@@ -227,7 +227,8 @@ def test_a_changed_vllm_is_left_wholly_unpatched(drift: str) -> None:
 
 
 @pytest.mark.parametrize("env", [{"VLLM_MMRETRY_FAULTS": "p1_miss=bogus"},
-                                 {"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "2"}])
+                                 {"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "2"},
+                                 {"VLLM_MMRETRY_METRICS_INTERVAL": "1,5"}])
 def test_a_bad_setting_stops_start_up_even_on_a_changed_vllm(env: dict[str, str]) -> None:
     """The plugin's own settings are read before anything else is compared."""
     setup, _ = DRIFTS["called_helper_changes"]
@@ -243,7 +244,7 @@ def test_a_bad_setting_stops_start_up_even_on_a_changed_vllm(env: dict[str, str]
         print(json.dumps({{"raised": raised, "originals": len(_patching._originals)}}))
     """, **env)
     assert r["originals"] == 0
-    assert r["raised"] in ("FaultConfigError", "BudgetConfigError"), r
+    assert r["raised"] in ("FaultConfigError", "BudgetConfigError", "MetricsConfigError"), r
 
 
 def test_the_adapter_records_the_signature_of_every_target_and_called_function() -> None:

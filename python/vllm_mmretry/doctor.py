@@ -108,7 +108,7 @@ def check_plugin_loading() -> Check:
 def check_settings(plugin_on: bool = True) -> Check:
     """The plugin's own settings, which `vllm serve` refuses at start-up when invalid
     (the fault switch applies with the plugin off too), and the test-only switches."""
-    from vllm_mmretry import budget, faults
+    from vllm_mmretry import budget, faults, metrics
 
     errors = []
     config = None
@@ -116,6 +116,10 @@ def check_settings(plugin_on: bool = True) -> Check:
         try:
             config = budget.config_from_env()
         except budget.BudgetConfigError as exc:
+            errors.append(str(exc))
+        try:
+            metrics.interval_from_env()
+        except metrics.MetricsConfigError as exc:
             errors.append(str(exc))
     try:
         plan = faults.parse(os.environ.get(faults.ENV, ""))
@@ -169,7 +173,7 @@ def _adapter_answer(name: str, ask: Callable[[Any], Any], unknown: str) -> Any:
 def check_install() -> Check:
     """Whether `register()` would patch this vLLM: a dry run of its all-or-nothing
     install (the signature of every vLLM function patched or called), undone after."""
-    from vllm_mmretry import _patching, budget, faults, plugin
+    from vllm_mmretry import _patching, budget, faults, metrics, plugin
 
     active = plugin.active_patches()
     if active:
@@ -179,7 +183,7 @@ def check_install() -> Check:
     except _patching.PatchError as exc:
         return Check("install", FAIL, f"vllm serve would leave vLLM unpatched: {exc}",
                      {"error": str(exc)})
-    except (budget.BudgetConfigError, faults.FaultConfigError):
+    except (budget.BudgetConfigError, faults.FaultConfigError, metrics.MetricsConfigError):
         return Check("install", SKIP, "the settings above stop vllm serve first")
     plugin.uninstall()
     return Check("install", OK, f"all {len(labels)} patches and the functions the adapter "

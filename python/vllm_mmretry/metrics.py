@@ -3,7 +3,13 @@
     vllm_mmretry_cache_miss_errors_total            requests ended by a P1 cache miss
     vllm_mmretry_retries_total{endpoint,outcome}    recovered | failed_again | budget_exhausted
     vllm_mmretry_native_fallback_total{reason}      requests run by vLLM's Python code
+    vllm_mmretry_self_check_failed{part}            1 per native part the start-up
+                                                    self-check turned off
     vllm_mmretry_info{version,vllm_version,native_loop,native_detok}   1
+
+native_loop is 0 when the self-check handed every request to vLLM's code (its
+`outputs` or `objects` part failed). The retry counter's series exist from start-up,
+at 0, for the endpoints that retry, so that `increase()` sees their first event.
 
 The metrics are ordinary `prometheus_client` metrics in the default registry, which
 is what vLLM's `/metrics` serves with one API server. With `--api-server-count > 1`
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import weakref
@@ -33,6 +40,11 @@ from typing import Any
 INTERVAL_ENV = "VLLM_MMRETRY_METRICS_INTERVAL"
 DEFAULT_INTERVAL_S = 1.0
 RETRY_OUTCOMES = ("recovered", "failed_again", "budget_exhausted")
+# The routes whose requests retry (retry.py), each counted under its path.
+RETRY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v2/embed",
+                   "/v1/messages")
+# Self-check parts whose failure sends every request to vLLM's own code.
+_LOOP_PARTS = frozenset(("outputs", "objects"))
 # Detokenizer fallbacks (a fast-loop request detokenized by vLLM's Python code)
 # are reported with this prefix on their reason, e.g. "detokenizer:slow_tokenizer".
 DETOK_PREFIX = "detokenizer:"
@@ -58,6 +70,16 @@ class _Metrics:
             "vllm_mmretry_retries",
             "Serving-layer retries after a retryable error, by endpoint and outcome.",
             ["endpoint", "outcome"],
+        )
+        for endpoint in RETRY_ENDPOINTS:
+            for outcome in RETRY_OUTCOMES:
+                self.retries.labels(endpoint=endpoint, outcome=outcome)
+        self.self_check_failed = Gauge(
+            "vllm_mmretry_self_check_failed",
+            "Native parts the start-up self-check turned off (vLLM's own code runs them), "
+            "by part (value 1).",
+            ["part"],
+            multiprocess_mode="max",
         )
         self.native_fallback = Counter(
             "vllm_mmretry_native_fallback",
@@ -92,6 +114,7 @@ class _Seen:
 
     thread: int
     counts: dict[str, int] = field(default_factory=dict)
+    failed_parts: frozenset[str] = frozenset()
 
 
 _lock = threading.Lock()
@@ -109,10 +132,33 @@ def _get() -> _Metrics:
     return _metrics
 
 
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 3600.0
+
+
+class MetricsConfigError(ValueError):
+    """`VLLM_MMRETRY_METRICS_INTERVAL` holds a value the metrics refuse."""
+
+
+def interval_from_env() -> float:
+    """The publishing interval; a bad value raises (register() reads it first, so a
+    bad one stops vllm serve with this message, as a bad retry budget does)."""
+    raw = os.environ.get(INTERVAL_ENV)
+    if raw is None:
+        return DEFAULT_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:  # also NaN
+        raise MetricsConfigError(f"{INTERVAL_ENV}={raw!r}: expected seconds between "
+                                 f"{MIN_INTERVAL_S:g} and {MAX_INTERVAL_S:g}")
+    return value
+
+
 def interval_s() -> float:
     try:
-        return max(0.05, float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S)))
-    except ValueError:
+        return interval_from_env()
+    except MetricsConfigError:  # refused at start-up; changed in the environment since
         return DEFAULT_INTERVAL_S
 
 
@@ -146,11 +192,10 @@ def track(output_processor: Any) -> None:
     """Publish `output_processor.counters()` from now on; set the info metric.
 
     Called once from OutputProcessor.__init__; the step loop is not touched."""
-    _get()
+    seen = _Seen(threading.get_ident())
     with _lock:
-        _tracked[output_processor] = _Seen(threading.get_ident())
-    detok_reason = getattr(output_processor, "_detok_reason", "unknown")
-    set_info(native_loop=True, native_detok=detok_reason is None)
+        _tracked[output_processor] = seen
+    _publish_self_check(_get(), output_processor, seen)
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -195,9 +240,23 @@ def flush() -> None:
         mine = [(op, seen) for op, seen in _tracked.items() if seen.thread == me]
     for op, seen in mine:
         try:
-            _publish(_metrics, op.counters(), seen)
+            counters = op.counters()
+            _publish(_metrics, counters, seen)
+            if frozenset(counters.get("self_check_failed", {})) != seen.failed_parts:
+                _publish_self_check(_metrics, op, seen)
         except Exception:
             _logger.exception("vllm-mmretry: publishing metrics failed")
+
+
+def _publish_self_check(metrics: _Metrics, output_processor: Any, seen: _Seen) -> None:
+    """The self-check's verdict: its failed parts and the info metric's native flags
+    (again when a part fails later: `objects` is checked on the first request)."""
+    failed = frozenset(output_processor.counters().get("self_check_failed", {}))
+    seen.failed_parts = failed
+    for part in failed:
+        metrics.self_check_failed.labels(part=part).set(1)
+    detok_reason = getattr(output_processor, "_detok_reason", "unknown")
+    set_info(native_loop=not _LOOP_PARTS & failed, native_detok=detok_reason is None)
 
 
 def _publish(metrics: _Metrics, counters: dict[str, Any], seen: _Seen) -> None:

@@ -127,15 +127,17 @@ def _install_checked(
     undoes what was patched and raises PatchError. A bad setting of this package (the
     retry budget, the fault switch) is raised as it is: `vllm serve` stops and says
     which."""
-    from vllm_mmretry import budget, faults
+    from vllm_mmretry import budget, faults, metrics
     from vllm_mmretry.budget import BudgetConfigError
     from vllm_mmretry.faults import FaultConfigError
+    from vllm_mmretry.metrics import MetricsConfigError
 
     patched: list[str] = []
     what = "adapter"
     try:
         if installers is None:  # the whole plugin: its settings and the functions it calls
             budget.config_from_env()  # a bad setting stops vllm serve, whatever else differs
+            metrics.interval_from_env()
         faults.parse(os.environ.get(faults.ENV, ""))
         found = vllm_adapter.adapter()
         if installers is None:
@@ -147,7 +149,7 @@ def _install_checked(
             for step, install in installers or _installers():
                 what = step  # named in the error if this one fails
                 patched.extend(install())
-    except (BudgetConfigError, FaultConfigError):
+    except (BudgetConfigError, FaultConfigError, MetricsConfigError):
         _undo_partial()
         raise
     except Exception as exc:
