@@ -122,3 +122,19 @@ def test_odd_token_ids_are_handled_like_stock(tiny_tokenizer: Any) -> None:
         _step_both(stock, ours, [("r", [10**6, ids[3]], {})])
         _step_both(stock, ours, [("r", ids[4:12], {})])
         assert not ours.op.has_request("r")
+
+
+def test_a_stop_string_with_a_lone_surrogate_runs_on_vllms_code(tiny_tokenizer: Any) -> None:
+    """The native detokenizer holds UTF-8 text only: such a request falls back (counted)
+    and is answered as stock answers it."""
+    ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+    stock, ours = _pair(tiny_tokenizer)
+    spec = ReqSpec("r", "r", [1], stop=["\ud800", "fox"])
+    stock.add(spec)
+    ours.add(spec)
+    assert ours.op.counters()["fallbacks"] == {"unencodable_stop": 1}
+    for k in range(0, len(ids), 3):
+        if not stock.op.has_request("r"):
+            break
+        _step_both(stock, ours, [("r", ids[k : k + 3], {})])
+    assert not ours.op.has_request("r") and not stock.op.has_request("r")

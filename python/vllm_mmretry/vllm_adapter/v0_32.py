@@ -173,6 +173,14 @@ def _add_keeping_error(add: Callable[..., None]) -> Callable[..., None]:
     return add_
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def _not_hashed() -> None:
     """vLLM's getter for a variable of this package. vLLM hashes every declared
     variable's value into its torch.compile cache key (`envs.compile_factors`); None
@@ -977,6 +985,8 @@ class Adapter(VllmAdapter):
             return "prompt_logprobs"
         if tracing_enabled:
             return "tracing"
+        if sp.stop and not all(_is_utf8(stop) for stop in sp.stop):
+            return "unencodable_stop"  # the native detokenizer holds UTF-8 text only
         if state.detokenizer is None or state.output_kind not in OUTPUT_KIND_CODE:
             return "unsupported_state"
         return None
