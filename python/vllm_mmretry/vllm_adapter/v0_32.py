@@ -1176,22 +1176,28 @@ class Adapter(VllmAdapter):
         return entries
 
     # --- doctor
+    @staticmethod
+    def serve_cli_args() -> ModuleType:
+        """The module with `vllm serve`'s parser and its checks of parsed arguments."""
+        from vllm.entrypoints.launchers import cli_args
+
+        module: ModuleType = cli_args
+        return module
+
     def serve_parser(self) -> argparse.ArgumentParser:
         """`vllm serve`'s own argument parser."""
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        parser: argparse.ArgumentParser = self.serve_cli_args().make_arg_parser(
+            FlexibleArgumentParser(prog="vllm serve"))
         return parser
 
     def parse_serve_args(self, argv: list[str]) -> argparse.Namespace:
         """The arguments `vllm serve ARGV` runs with, after vLLM's own checks of them."""
-        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-
         args = self.serve_parser().parse_args(argv)
         if getattr(args, "model_tag", None):  # `vllm serve MODEL` sets model_tag
             args.model = args.model_tag
-        validate_parsed_serve_args(args)
+        self.serve_cli_args().validate_parsed_serve_args(args)
         return args
 
     @staticmethod

@@ -23,8 +23,8 @@ inherited from `v0_32`). See docs/vllm-0.33-seams.md for the line-by-line readin
 
 from __future__ import annotations
 
-import argparse
 from operator import attrgetter
+from types import ModuleType
 from typing import Any, ClassVar
 
 from vllm.v1.engine import EngineCoreOutput
@@ -65,13 +65,13 @@ class Adapter(v0_32.Adapter):
 
 
     # --- doctor
-    def serve_parser(self) -> argparse.ArgumentParser:
-        """`vllm serve`'s own argument parser (0.33 moved it to entrypoints.common)."""
-        from vllm.entrypoints.common.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    @staticmethod
+    def serve_cli_args() -> ModuleType:
+        """0.33 moved `vllm serve`'s parser and checks to entrypoints.common."""
+        from vllm.entrypoints.common import cli_args
 
-        parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-        return parser
+        module: ModuleType = cli_args
+        return module
 
     def process_outputs(self, core: Any, spec: CoreSpec, engine_core_outputs: Any,
                         engine_core_timestamp: float | None, iteration_stats: Any,
