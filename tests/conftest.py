@@ -113,6 +113,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"runs vLLM's engine with a real model; {name} has no engine for this "
                 "machine (no GPU, no CPU build of this vLLM on PyPI)")))
         elif _selected(item, PLUGIN_ACTIVE) and not servers.plugin_patches_installed_vllm():
+            _refuse_to_skip_a_supported_vllm(name)
             item.add_marker(pytest.mark.skip(reason=(
                 f"tests the plugin inside {name}, which the installed vllm_mmretry does "
                 "not support yet (register() patches nothing): needs its adapter")))
@@ -139,3 +140,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return _work_unit(nodeid)
 
     return ServersTogether(config, log)
+
+
+def _refuse_to_skip_a_supported_vllm(name: str) -> None:
+    """A vLLM the package supports that register() leaves unpatched is a bug, not a
+    reason to skip the plugin's tests (which would then pass by not running)."""
+    from vllm_mmretry import vllm_adapter
+
+    version = vllm_adapter.installed_vllm_version()
+    if vllm_adapter.is_supported(version):
+        raise pytest.UsageError(
+            f"vllm_mmretry.register() patches nothing on {name}, a vLLM it supports "
+            f"({version}): run `python -c 'import vllm_mmretry; vllm_mmretry.register()'` "
+            "to see its WARNING")

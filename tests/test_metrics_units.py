@@ -159,3 +159,15 @@ def test_a_publishing_interval_in_range_is_taken(monkeypatch: pytest.MonkeyPatch
                                                  seconds: float) -> None:
     monkeypatch.setenv(metrics.INTERVAL_ENV, raw)
     assert metrics.interval_from_env() == seconds
+
+
+def test_info_says_which_detokenizer_runs(tiny_tokenizer: Any) -> None:
+    from vllm_mmretry import __version__
+    from vllm_mmretry.vllm_adapter import installed_vllm_version
+
+    on = {"version": __version__, "vllm_version": installed_vllm_version(), "native_loop": "1"}
+    OutputProcessor(tiny_tokenizer, log_stats=False)
+    assert sample("vllm_mmretry_info", **on, native_detok="1") == 1
+    OutputProcessor(tiny_tokenizer, log_stats=False, native_detok=False)
+    assert sample("vllm_mmretry_info", **on, native_detok="0") == 1
+    assert sample("vllm_mmretry_info", **on, native_detok="1") == 0

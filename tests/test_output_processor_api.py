@@ -132,3 +132,23 @@ def test_install_patches_both_engines() -> None:
     assert async_llm.OutputProcessor is v0_32.StockOutputProcessor
     if registered:
         plugin.register()
+
+
+@pytest.mark.parametrize("ends_by", ["finish", "abort"])
+def test_admission_count_follows_the_unfinished_requests(tiny_tokenizer: Any, ends_by: str) -> None:
+    """vLLM's shared admission counter (SharedAdmissionStats, one slot per API server)
+    holds the processor's unfinished requests after every add, step and abort."""
+    from vllm.v1.engine.admission_control import SharedAdmissionStats
+
+    slots = [0] * SharedAdmissionStats.num_counters(1)
+    admission = SharedAdmissionStats({"mp_admission_counters": slots})
+    op = OutputProcessor(tiny_tokenizer, log_stats=False, admission_stats=admission)
+    side = Side(op, True)
+    side.add(ReqSpec("a", "a", [1]))
+    side.add(ReqSpec("b", "b", [1]))
+    assert admission.get_num_requests() == 2
+    if ends_by == "finish":
+        op.process_outputs([eco("a", [272], finish=FinishReason.LENGTH)])
+    else:
+        op.abort_requests(["a"], internal=True)
+    assert admission.get_num_requests() == 1 == op.get_num_unfinished_requests()

@@ -153,3 +153,7 @@ def test_a_retry_is_granted_only_when_a_whole_one_fits(requests: int, granted: i
     for _ in range(requests):
         b.deposit("/e")
     assert _withdraw_all(b, "/e") == granted
+
+
+def test_no_floor_is_a_valid_setting() -> None:
+    assert budget.config_from_env({budget.ENV_MIN_RETRIES: "0"}).min_retries == 0

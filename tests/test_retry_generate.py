@@ -86,6 +86,19 @@ def test_plugin_installed_the_retry_in_this_process() -> None:
     assert "OpenAIServingCompletion.create_completion" in patched
 
 
+def test_the_engine_vllm_built_invalidates_through_its_renderer(server: InProcessServer) -> None:
+    """The plugin's engine __init__ wires the output processor to the renderer that
+    holds P0's cache (read at each miss, so a rebuilt cache is still the one
+    invalidated)."""
+    from vllm_mmretry.output_processor import OutputProcessor
+    from vllm_mmretry.vllm_adapter import adapter
+
+    op = adapter().engine_output_processor(server.engine)
+    renderer = adapter().engine_renderer(server.engine)
+    assert isinstance(op, OutputProcessor) and renderer is not None
+    assert op.mm_processor_cache is renderer
+
+
 @pytest.mark.parametrize("path", [CHAT, CMPL])
 def test_first_miss_recovers_identically_not_streaming(
         server: InProcessServer, path: str, retry_log: list[str]) -> None:

@@ -85,6 +85,20 @@ def test_second_failure_is_503_with_retry_headers(server: InProcessServer, path:
     assert len(server.faults.submitted) == 2
 
 
+@pytest.mark.parametrize("path", [EMBED, COHERE])
+def test_a_spent_budget_is_503_with_retry_headers_at_once(
+        server: InProcessServer, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmretry import budget
+
+    spent = budget.RetryBudget(budget.BudgetConfig(ratio=0.0, min_retries=0, window_s=10.0))
+    monkeypatch.setattr(budget, "_budget", spent)
+    server.faults.add(Fault("pspent", times=1))
+    resp = post(server, path, "pspent")
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["retry-after"] == "1" and resp.headers["x-should-retry"] == "true"
+    assert len(server.faults.submitted) == 1 and spent.exhausted == {path: 1}
+
+
 def test_batch_retries_with_all_prompts_and_keeps_order(server: InProcessServer) -> None:
     texts = {"input": ["first text", "second text", "third text"]}
 

@@ -115,7 +115,7 @@ def _completion(error: Any) -> Any:
     return out
 
 
-@pytest.mark.parametrize("retry_ends", ["output", "other_error", "nothing"])
+@pytest.mark.parametrize("retry_ends", ["output", "other_error", "nothing", "miss_again"])
 def test_recovered_counts_only_a_retry_that_produced_output(retry_ends: str) -> None:
     """A retry whose stream ends with a non-retryable error failed again (vLLM answers
     it); one that ends with nothing was given up by its caller."""
@@ -124,7 +124,8 @@ def test_recovered_counts_only_a_retry_that_produced_output(retry_ends: str) -> 
 
     miss = RequestError(code=retry.MM_CACHE_MISS, message="miss", retryable=True)
     other = RequestError(code="internal", message="boom", retryable=False)
-    second = {"output": [_completion(None)], "other_error": [_completion(other)], "nothing": []}
+    second = {"output": [_completion(None)], "other_error": [_completion(other)], "nothing": [],
+              "miss_again": [_completion(miss)]}
 
     async def rerender(skip_mm_cache: bool) -> list[Any]:
         return ["prompt again"]
@@ -146,12 +147,17 @@ def test_recovered_counts_only_a_retry_that_produced_output(retry_ends: str) -> 
         return {o: v or 0.0 for o, v in values.items()}
 
     before = counted()
-    outs = asyncio.run(drain())
-    assert outs == second[retry_ends] and attempts == []
+    if retry_ends == "miss_again":  # the 503 this package answers
+        with pytest.raises(compat.retryable_request_error()) as raised:
+            asyncio.run(drain())
+        assert retry.is_our_answer(raised.value) and attempts == []
+    else:
+        outs = asyncio.run(drain())
+        assert outs == second[retry_ends] and attempts == []
     after = counted()
     grown = {o: after[o] - before[o] for o in after if after[o] != before[o]}
     assert grown == {"output": {"recovered": 1}, "other_error": {"failed_again": 1},
-                     "nothing": {}}[retry_ends]
+                     "nothing": {}, "miss_again": {"failed_again": 1}}[retry_ends]
 
 
 def test_retryable_error_reads_only_terminal_retryable_structured_errors() -> None:
@@ -183,3 +189,73 @@ def test_generate_outside_the_endpoints_is_the_original_stream() -> None:
         assert gen.ag_code is original.__code__  # AsyncLLM.generate's own frame
     finally:
         asyncio.run(gen.aclose())
+
+
+def test_no_retry_once_a_stream_sent_output_of_an_earlier_prompt() -> None:
+    """A streamed multi-prompt call (/v1/completions with a list of prompts) whose first
+    prompt already sent output: a later prompt's miss is passed through, not retried
+    (the client has part of the answer)."""
+    from vllm.outputs import RequestError
+
+    miss = RequestError(code=retry.MM_CACHE_MISS, message="miss", retryable=True)
+    rerendered: list[bool] = []
+
+    async def rerender(skip_mm_cache: bool) -> list[Any]:
+        rerendered.append(skip_mm_cache)
+        return ["p0", "p1"]
+
+    streams = {"p0": [_completion(None)], "p1": [_completion(miss)]}
+
+    async def generate(prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        for out in streams[prompt]:
+            yield out
+
+    async def run() -> list[Any]:
+        call = retry._EndpointCall("/units", rerender, stream=True)
+        first = [o async for o in retry._guarded(call, 0, generate, ("p0", None, "r-0"), {})]
+        second = [o async for o in retry._guarded(call, 1, generate, ("p1", None, "r-1"), {})]
+        return first + second
+
+    outs = asyncio.run(run())
+    assert rerendered == [] and outs[-1].error is miss
+
+
+def test_an_endpoint_call_deposits_in_the_retry_budget() -> None:
+    """Every HTTP call of a retrying endpoint counts in the budget's request share."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from vllm_mmretry import budget
+
+    async def original(self: Any, request: Any, raw_request: Any) -> str:
+        return "answered"
+
+    async def render(self: Any, request: Any, skip_mm_cache: bool) -> list[Any]:
+        return []
+
+    entry = retry._wrap_endpoint(original, "/v1/chat/completions", render)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    raw = Request({"type": "http", "method": "POST", "path": "/units/deposit", "headers": [],
+                   "query_string": b""})
+    before = budget.current().snapshot()["requests"].get("/units/deposit", 0)
+    assert asyncio.run(entry(None, request, raw)) == "answered"
+    assert budget.current().snapshot()["requests"].get("/units/deposit", 0) == before + 1
+
+
+def test_a_responses_stream_error_keeps_the_vllm_error_it_was_raised_in() -> None:
+    """The error event answers with the vLLM error the stream failed while handling
+    (implicitly chained, via __context__), here a 503, not a generic 500."""
+    retryable = compat.retryable_request_error()
+
+    async def original(generator: Any) -> AsyncIterator[str]:
+        yield "event: one\n\n"
+        try:
+            raise retryable("busy")
+        except retryable:
+            raise RuntimeError("while writing the event")  # noqa: B904 - the implicit chain
+
+    async def run() -> list[str]:
+        return [c async for c in retry._wrap_responses_sse(original)(None)]
+
+    chunks = asyncio.run(run())
+    event = json.loads(chunks[-1].split("data: ", 1)[1])
+    assert event["code"] == "503" and event["sequence_number"] == 1, event

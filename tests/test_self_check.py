@@ -309,3 +309,30 @@ def test_shared_templates_are_instance_dicts(tiny_tokenizer: Any) -> None:
         assert list(got.items()) == list(want.items())
         assert sys.getsizeof(got.copy()) < sys.getsizeof(dict(got))
     assert v0_32.shared_templates(check) == (ro, co)  # built once per self-check
+
+
+@pytest.mark.parametrize("derived", ["num_cache_creation_tokens", "weight_versions"])
+def test_a_plugin_attribute_derived_from_a_templated_field_falls_back(
+        tiny_tokenizer: Any, patch_outputs: Any, derived: str) -> None:
+    """Every field the native path fills is compared (RO_FILLED / CO_FILLED): a patch
+    copying one of them into an attribute of its own is seen."""
+    def copy_ro(o: Any) -> None:
+        o.plugin_copy = o.num_cache_creation_tokens
+
+    def copy_co(c: Any) -> None:
+        c.plugin_copy = repr(c.weight_versions)
+
+    if derived == "num_cache_creation_tokens":
+        patch_outputs(copy_ro, lambda c: None)
+    else:
+        patch_outputs(lambda o: None, copy_co)
+    op, stock, ours = _run(tiny_tokenizer)
+    assert op.counters()["self_check_failed"] == {"outputs": 1}
+    assert ours == stock
+
+
+def test_a_failed_detokenizer_check_drops_the_native_vocabulary(
+        tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FORCE_SELF_CHECK_FAIL_ENV, "detok")
+    op = OurOP(tiny_tokenizer, log_stats=False)
+    assert op._core.has_native_vocab is False and op._detok_reason == "self_check"

@@ -53,3 +53,8 @@ def _names_read_by_the_sources() -> set[str]:
 
 def test_every_variable_the_package_reads_is_declared_to_vllm() -> None:
     assert set(switches.PACKAGE_ENVS) == _names_read_by_the_sources()
+
+
+def test_an_empty_value_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_MMRETRY_TEST_SWITCH", "")
+    assert switches.switch_on("VLLM_MMRETRY_TEST_SWITCH", default=False)
