@@ -338,3 +338,13 @@ def test_the_tokenizer_is_loaded_at_the_revision_serve_uses(tiny_model_path: str
     assert status == 0 and r["checks"]["tokenizer"]["details"]["revision"] == "v2", r
     status, r = report("doctor", tiny_model_path, "--revision", "v2", "--tokenizer-revision", "v3")
     assert status == 0 and r["checks"]["tokenizer"]["details"]["revision"] == "v3", r
+
+
+def test_vllms_other_front_ends_are_a_warning(tiny_model_path: str) -> None:
+    """With vLLM's Rust front end the plugin's API-server parts do not run: the doctor
+    does not promise recovery there."""
+    status, r = report("doctor", tiny_model_path, VLLM_USE_RUST_FRONTEND="1",
+                       VLLM_RUST_FRONTEND_PATH="/bin/false")
+    cache = r["checks"]["mm_cache"]
+    assert status == 0 and cache["status"] == "warn", cache
+    assert cache["details"]["front_end"] == "rust" and "do not run" in cache["summary"]

@@ -112,9 +112,11 @@ def test_events_and_info() -> None:
     assert sample("vllm_mmretry_info", **on, native_detok="0") == 0  # superseded
 
 
-def test_retry_series_exist_at_zero_for_the_retrying_endpoints() -> None:
-    metrics._get()
-    for endpoint in metrics.RETRY_ENDPOINTS:
+def test_retry_series_exist_at_zero_for_the_retrying_endpoints(tiny_tokenizer: Any) -> None:
+    OutputProcessor(tiny_tokenizer, log_stats=False)  # as the engine makes it at start-up
+    assert {"/v1/chat/completions", "/cohere/v2/chat", "/v2/embed"} <= set(
+        metrics.retrying_routes())
+    for endpoint in metrics.retrying_routes():
         for outcome in metrics.RETRY_OUTCOMES:
             assert REGISTRY.get_sample_value("vllm_mmretry_retries_total", {
                 "endpoint": endpoint, "outcome": outcome}) is not None, (endpoint, outcome)
@@ -146,7 +148,7 @@ def test_a_self_check_that_hands_every_request_to_vllm_shows_on_metrics(
     assert sample("vllm_mmretry_info", **info) == 1
 
 
-@pytest.mark.parametrize("raw", ["1,5", "inf", "nan", "0.01", "3601", ""])
+@pytest.mark.parametrize("raw", ["1,5", "inf", "nan", "0.01", "3601", "-1"])
 def test_a_bad_publishing_interval_is_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv(metrics.INTERVAL_ENV, raw)
     with pytest.raises(metrics.MetricsConfigError, match=metrics.INTERVAL_ENV):
@@ -154,7 +156,8 @@ def test_a_bad_publishing_interval_is_refused(monkeypatch: pytest.MonkeyPatch, r
     assert metrics.interval_s() == metrics.DEFAULT_INTERVAL_S
 
 
-@pytest.mark.parametrize(("raw", "seconds"), [("0.05", 0.05), (" 2 ", 2.0), ("3600", 3600.0)])
+@pytest.mark.parametrize(("raw", "seconds"), [("0.05", 0.05), (" 2 ", 2.0), ("3600", 3600.0),
+                                              ("", 1.0), ("  ", 1.0)])
 def test_a_publishing_interval_in_range_is_taken(monkeypatch: pytest.MonkeyPatch, raw: str,
                                                  seconds: float) -> None:
     monkeypatch.setenv(metrics.INTERVAL_ENV, raw)

@@ -159,6 +159,46 @@ def test_the_package_variables_pass_vllms_environment_check(env: dict[str, str])
     assert r == {"refused": None, "same_compile_key": True, "left": []}, r
 
 
+def test_with_no_package_variable_set_vllms_compile_cache_key_is_stock() -> None:
+    """A declared name enters vLLM's torch.compile cache key: only set ones are declared."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MMRETRY")}
+    out = subprocess.run([PY, "-c", textwrap.dedent("""
+        import json
+        from vllm import envs
+        from vllm.plugins import load_general_plugins
+        before = envs.compile_factors()
+        load_general_plugins()
+        from vllm_mmretry import plugin
+        print(json.dumps({"same": envs.compile_factors() == before,
+                          "patched": bool(plugin.active_patches())}))
+    """)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "patched": True}
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_a_vllm_module_that_fails_to_import_never_stops_vllm(switch: str) -> None:
+    """register() runs in every vLLM process and vLLM does not catch what it raises."""
+    r = _run("""
+        import json, sys
+        sys.modules["vllm.v1.engine.parallel_sampling"] = None  # an import that fails
+        import vllm_mmretry
+        print(json.dumps({"state": vllm_mmretry.register()}))
+    """, VLLM_MMRETRY=switch)
+    assert r == {"state": []}
+
+
+def test_the_off_switch_imports_no_version_adapter() -> None:
+    r = _run("""
+        import json, sys
+        import vllm_mmretry
+        vllm_mmretry.register()
+        print(json.dumps({"adapters": [m for m in sys.modules
+                                       if m.startswith("vllm_mmretry.vllm_adapter.v0_")]}))
+    """, VLLM_MMRETRY="0")
+    assert r == {"adapters": []}
+
+
 def test_a_misspelt_package_variable_is_still_refused_by_vllm() -> None:
     r = _run(ENVIRON_PROBE.format(), VLLM_MMRETRY_RETRY_BUDGT_RATIO="0.3")
     assert r["refused"] == "Unknown vLLM environment variable detected: " \

@@ -310,6 +310,12 @@ def check_cache_layout(target: str | None, args: argparse.Namespace | None,
     details = {"cache_type": cache_type, "api_servers": api_servers, "drift_possible": drift,
                "layout": description}
     name = cache_type or "none"
+    front_end = vllm_adapter.adapter().serve_front_end(args)
+    if front_end is not None:
+        details["front_end"] = front_end
+        return Check("mm_cache", WARN, f"{name}: vLLM's {front_end} front end serves these "
+                     "requests, not its Python API server, so the plugin's retry and native "
+                     "output loop do not run for them", details)
     if not drift:
         after = "drift not possible"
     elif plugin_on:

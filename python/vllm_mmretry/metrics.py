@@ -40,9 +40,6 @@ from typing import Any
 INTERVAL_ENV = "VLLM_MMRETRY_METRICS_INTERVAL"
 DEFAULT_INTERVAL_S = 1.0
 RETRY_OUTCOMES = ("recovered", "failed_again", "budget_exhausted")
-# The routes whose requests retry (retry.py), each counted under its path.
-RETRY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v2/embed",
-                   "/v1/messages")
 # Self-check parts whose failure sends every request to vLLM's own code.
 _LOOP_PARTS = frozenset(("outputs", "objects"))
 # Detokenizer fallbacks (a fast-loop request detokenized by vLLM's Python code)
@@ -71,9 +68,6 @@ class _Metrics:
             "Serving-layer retries after a retryable error, by endpoint and outcome.",
             ["endpoint", "outcome"],
         )
-        for endpoint in RETRY_ENDPOINTS:
-            for outcome in RETRY_OUTCOMES:
-                self.retries.labels(endpoint=endpoint, outcome=outcome)
         self.self_check_failed = Gauge(
             "vllm_mmretry_self_check_failed",
             "Native parts the start-up self-check turned off (vLLM's own code runs them), "
@@ -95,6 +89,22 @@ class _Metrics:
             multiprocess_mode="mostrecent",
         )
         self.info_labels: tuple[str, ...] | None = None
+        self.routes_at_zero: set[str] = set()
+
+    def retry_series_at_zero(self) -> None:
+        """The retrying routes' series, at 0 until their first event."""
+        for endpoint in set(retrying_routes()) - self.routes_at_zero:
+            for outcome in RETRY_OUTCOMES:
+                self.retries.labels(endpoint=endpoint, outcome=outcome)
+            self.routes_at_zero.add(endpoint)
+
+
+def retrying_routes() -> tuple[str, ...]:
+    """The routes whose requests retry (retry.py counts each under its path)."""
+    from vllm_mmretry import vllm_adapter
+
+    found = vllm_adapter.loaded()
+    return found.retrying_routes() if found is not None else ()
 
 
 class _FlushOnCollect:
@@ -142,8 +152,8 @@ class MetricsConfigError(ValueError):
 def interval_from_env() -> float:
     """The publishing interval; a bad value raises (register() reads it first, so a
     bad one stops vllm serve with this message, as a bad retry budget does)."""
-    raw = os.environ.get(INTERVAL_ENV)
-    if raw is None:
+    raw = os.environ.get(INTERVAL_ENV, "")
+    if not raw.strip():  # unset or empty (a templated env file): the default
         return DEFAULT_INTERVAL_S
     try:
         value = float(raw)
@@ -193,6 +203,7 @@ def track(output_processor: Any) -> None:
 
     Called once from OutputProcessor.__init__; the step loop is not touched."""
     seen = _Seen(threading.get_ident())
+    _get().retry_series_at_zero()
     with _lock:
         _tracked[output_processor] = seen
     _publish_self_check(_get(), output_processor, seen)

@@ -112,6 +112,8 @@ def _install_fault_switch_alone(log: logging.Logger, proc: str) -> list[str]:
 
     if not vllm_adapter.is_supported(vllm_adapter.installed_vllm_version()):
         return []
+    if faults.parse(os.environ.get(faults.ENV, "")) is None:
+        return []  # the usual case: nothing of vLLM's is imported for the off switch
     try:
         return _install_checked([("fault switch", faults.install)])
     except _patching.PatchError as exc:
@@ -146,7 +148,7 @@ def _install_checked(
             if problems:
                 raise _patching.PatchError("; ".join(problems))
         with _patching.expecting(found.SIGNATURES):
-            for step, install in installers or _installers():
+            for step, install in _installers() if installers is None else installers:
                 what = step  # named in the error if this one fails
                 patched.extend(install())
     except (BudgetConfigError, FaultConfigError, MetricsConfigError):
@@ -167,11 +169,17 @@ def _undo_partial() -> None:
 
 
 def declare_environment() -> None:
-    """Declare the package's variables to a supported vLLM, on or off (vLLM loads the
-    plugin before it checks the environment)."""
-    found = vllm_adapter.get()
-    if found is not None and not _declared:
-        _declared.extend(found.declare_environment(PACKAGE_ENVS))
+    """Declare the package's variables that are set to a supported vLLM, on or off
+    (vLLM loads the plugin before it checks the environment). Only set ones: a
+    declared name enters vLLM's compile-cache key. Cosmetic, so it never stops vLLM."""
+    if not vllm_adapter.is_supported(vllm_adapter.installed_vllm_version()):
+        return
+    set_here = [name for name in PACKAGE_ENVS if name in os.environ]
+    try:
+        _declared.extend(vllm_adapter.declare_environment(set_here))
+    except Exception as exc:  # noqa: BLE001 - vLLM's warning about them is what is lost
+        _emit(_vllm_logger().warning, "vllm-mmretry: cannot declare its variables to vLLM "
+              "(%s: %s); vLLM will call them unknown", type(exc).__name__, exc)
 
 
 def active_patches() -> list[str]:
@@ -190,16 +198,17 @@ def uninstall() -> list[str]:
         restored.extend(prom.restore())
     restored.extend(_remove_request_output_error())
     vllm_adapter.drop_pending_lines()  # this process's lines are about what was undone
-    found = vllm_adapter.get()
-    if found is not None:
-        found.undeclare_environment(_declared)
+    if _declared:
+        vllm_adapter.undeclare_environment(_declared)
     _declared.clear()
     _state = None
     return restored
 
 
 def _remove_request_output_error() -> list[str]:
-    found = vllm_adapter.get()
+    # Only an adapter already built: building one here could raise the very import
+    # error being undone.
+    found = vllm_adapter.loaded()
     return found.remove_request_output_error() if found is not None else []
 
 

@@ -54,6 +54,35 @@ def is_supported(version: str | None) -> bool:
     return version is not None and version in VERSION_MODULES
 
 
+def _not_hashed() -> None:
+    """vLLM's getter for a variable of this package. vLLM hashes every declared
+    variable's value into its torch.compile cache key (`envs.compile_factors`); None
+    keeps the package's settings out of it (the package reads them from os.environ)."""
+    return None
+
+
+def declare_environment(names: list[str]) -> list[str]:
+    """Make vLLM's check of VLLM_* variables (`validate_environ`) know `names`; the
+    ones added. Only `vllm.envs`' registry, so no version module is imported (the off
+    switch stays cheap). Every declared name enters vLLM's compile-cache key, so the
+    caller declares only the variables that are set."""
+    from vllm import envs
+
+    registry = envs.environment_variables
+    added = [name for name in names if name not in registry]
+    for name in added:
+        registry[name] = _not_hashed
+    return added
+
+
+def undeclare_environment(names: list[str]) -> None:
+    from vllm import envs
+
+    for name in names:
+        if envs.environment_variables.get(name) is _not_hashed:
+            del envs.environment_variables[name]
+
+
 def get() -> VllmAdapter | None:
     """The adapter for the installed vLLM, or None when it is not supported."""
     version = installed_vllm_version()
@@ -63,6 +92,12 @@ def get() -> VllmAdapter | None:
         _chosen[key] = (importlib.import_module(f"{__name__}.{module}").Adapter()
                         if module else None)
     return _chosen[key]
+
+
+def loaded() -> VllmAdapter | None:
+    """The adapter for the installed vLLM if one was already built, else None (never
+    imports a version module)."""
+    return _chosen.get(installed_vllm_version() or "")
 
 
 def adapter() -> VllmAdapter:

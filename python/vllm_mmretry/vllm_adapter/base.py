@@ -481,13 +481,6 @@ class VllmAdapter(abc.ABC):
         process caches vLLM's environment already, or when none is known)."""
         return None, []
 
-    @abc.abstractmethod
-    def declare_environment(self, names: tuple[str, ...]) -> list[str]:
-        """Make vLLM's environment check know `names`; the ones added."""
-
-    @abc.abstractmethod
-    def undeclare_environment(self, names: list[str]) -> None: ...
-
     def read_fields(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
         """label -> (a vLLM class, the fields of it the package reads), checked at
         start-up beside the signatures."""
@@ -504,6 +497,10 @@ class VllmAdapter(abc.ABC):
     def finished_error(self, output: Any) -> OutputError | None:
         """The structured error a finished output (generation or pooling) ends with,
         None for a running output or one without an error."""
+
+    @abc.abstractmethod
+    def retrying_routes(self) -> tuple[str, ...]:
+        """The HTTP routes whose requests reach the retrying entry points."""
 
     @abc.abstractmethod
     def retry_applies(self, request: Any) -> bool:
@@ -592,6 +589,9 @@ class VllmAdapter(abc.ABC):
 
     @abc.abstractmethod
     def parse_serve_args(self, argv: list[str]) -> argparse.Namespace: ...
+
+    @abc.abstractmethod
+    def serve_front_end(self, args: argparse.Namespace) -> str | None: ...
 
     @abc.abstractmethod
     def serve_api_servers(self, args: argparse.Namespace) -> tuple[int, argparse.Namespace]: ...

@@ -181,13 +181,6 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _not_hashed() -> None:
-    """vLLM's getter for a variable of this package. vLLM hashes every declared
-    variable's value into its torch.compile cache key (`envs.compile_factors`); None
-    keeps the package's settings out of it (the package reads them from os.environ)."""
-    return None
-
-
 def miss_error(hashes: list[str]) -> RequestError:
     _metrics.count_cache_miss()  # vllm-mmretry metrics hook
     n = len(hashes)
@@ -1201,6 +1194,18 @@ class Adapter(VllmAdapter):
         return args
 
     @staticmethod
+    def serve_front_end(args: argparse.Namespace) -> str | None:
+        """Which of vLLM's other front ends `vllm serve` with `args` puts in front of the
+        engine instead of its Python API server ("grpc", "rust"), else None."""
+        from vllm import envs
+
+        if getattr(args, "grpc", False):
+            return "grpc"
+        if envs.VLLM_USE_RUST_FRONTEND and envs.VLLM_RUST_FRONTEND_PATH:
+            return "rust"
+        return None
+
+    @staticmethod
     def serve_api_servers(args: argparse.Namespace) -> tuple[int, argparse.Namespace]:
         """How many API servers share one engine when `vllm serve` runs with `args`,
         and the arguments one of them runs with (a multi-port supervisor's child's).
@@ -1255,7 +1260,6 @@ class Adapter(VllmAdapter):
             "tokenizer_mode": args.tokenizer_mode or "auto",
             "trust_remote_code": bool(args.trust_remote_code),
             "revision": args.tokenizer_revision or args.revision,
-            "download_dir": args.download_dir,
         }
 
     def serve_cache_type(self, args: argparse.Namespace, api_servers: int) -> str | None:
@@ -1423,29 +1427,19 @@ class Adapter(VllmAdapter):
         return OutputError(error.code, error.message, error.retryable)
 
     @staticmethod
+    def retrying_routes() -> tuple[str, ...]:
+        # OpenAI chat and completions, Anthropic messages and Cohere chat (both call
+        # create_chat_completion), embeddings and Cohere embed (the pooling entry).
+        return ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/cohere/v2/chat",
+                "/v1/embeddings", "/v2/embed")
+
+    @staticmethod
     def retry_applies(request: Any) -> bool:
         return not request.use_beam_search  # Chat/CompletionRequest fields
 
     @staticmethod
     def request_streams(request: Any) -> bool:
         return bool(request.stream)
-
-    @staticmethod
-    def declare_environment(names: tuple[str, ...]) -> list[str]:
-        from vllm import envs
-
-        added = [name for name in names if name not in envs.environment_variables]
-        for name in added:
-            envs.environment_variables[name] = _not_hashed
-        return added
-
-    @staticmethod
-    def undeclare_environment(names: list[str]) -> None:
-        from vllm import envs
-
-        for name in names:
-            if envs.environment_variables.get(name) is _not_hashed:
-                del envs.environment_variables[name]
 
     def read_fields(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
