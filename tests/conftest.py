@@ -153,3 +153,17 @@ def _refuse_to_skip_a_supported_vllm(name: str) -> None:
             f"vllm_mmretry.register() patches nothing on {name}, a vLLM it supports "
             f"({version}): run `python -c 'import vllm_mmretry; vllm_mmretry.register()'` "
             "to see its WARNING")
+
+
+@pytest.fixture
+def only_known_vllm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset the VLLM_* variables neither vLLM nor the package knows (the test harness's
+    own, e.g. VLLM_MMRETRY_REQUIRE_MOCK_ENGINE), for tests of vLLM's environment check."""
+    from vllm import envs
+
+    from vllm_mmretry.switches import PACKAGE_ENVS
+
+    for name in list(os.environ):
+        if (name.startswith("VLLM_") and name not in envs.environment_variables
+                and name not in PACKAGE_ENVS):
+            monkeypatch.delenv(name)

@@ -308,6 +308,7 @@ def test_the_model_may_be_given_as_a_flag(tiny_model_path: str) -> None:
         assert (cache["cache_type"], cache["api_servers"]) == ("processor_only", 2), r
 
 
+@pytest.mark.usefixtures("only_known_vllm_variables")
 def test_the_package_settings_pass_vllms_environment_check(tiny_model_path: str) -> None:
     """With --fail-on-environ-validation vLLM refuses unknown VLLM_* variables; the
     plugin declares its own, so the doctor (like vllm serve) passes."""

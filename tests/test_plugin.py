@@ -152,6 +152,7 @@ ENVIRON_PROBE = """
 
 @pytest.mark.parametrize("env", [{"VLLM_MMRETRY_RETRY_BUDGET_RATIO": "0.3"},
                                  {"VLLM_MMRETRY": "0", "VLLM_MMRETRY_FAULTS": "p1_miss=every:3"}])
+@pytest.mark.usefixtures("only_known_vllm_variables")
 def test_the_package_variables_pass_vllms_environment_check(env: dict[str, str]) -> None:
     """vLLM refuses (or warns about) every VLLM_* variable it does not know: the plugin
     declares its own, on or off; their values stay out of vLLM's torch.compile cache key."""
@@ -199,6 +200,7 @@ def test_the_off_switch_imports_no_version_adapter() -> None:
     assert r == {"adapters": []}
 
 
+@pytest.mark.usefixtures("only_known_vllm_variables")
 def test_a_misspelt_package_variable_is_still_refused_by_vllm() -> None:
     r = _run(ENVIRON_PROBE.format(), VLLM_MMRETRY_RETRY_BUDGT_RATIO="0.3")
     assert r["refused"] == "Unknown vLLM environment variable detected: " \
