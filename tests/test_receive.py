@@ -14,6 +14,8 @@ import gc
 import itertools
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -768,6 +770,16 @@ def test_a_message_whose_frames_fail_to_wrap_is_kept_for_the_next_receive() -> N
     assert asyncio.run(go()) == ("no room for a frame", [b"first"], [b"second"])
 
 
+def _eventually(condition: Callable[[], bool], within_s: float = 10.0) -> bool:
+    """A condition another thread makes true: polled, not assumed at once."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_an_abandoned_natively_received_socket_is_collected_and_its_thread_stopped() -> None:
     """The socket and its receiver refer to each other; the garbage collector sees
     both references, collects them, and pyzmq's finalizer stops the thread."""
@@ -791,11 +803,12 @@ def test_an_abandoned_natively_received_socket_is_collected_and_its_thread_stopp
         sock.bind(f"inproc://abandoned-{next(_addresses)}")
         assert receive.make_natively_received(sock)
         fd = receiver_of(sock).fileno()
-        assert threads() == before + 1 and fd_is_open(fd)
+        # The thread names itself once it runs (Rust's std does so in the new thread).
+        assert _eventually(lambda: threads() == before + 1) and fd_is_open(fd)
         gone = weakref.ref(sock)
         del sock
         gc.collect()
         assert gone() is None
-        assert threads() == before and not fd_is_open(fd)
+        assert _eventually(lambda: threads() == before) and not fd_is_open(fd)
     finally:
         ctx.destroy(linger=0)
