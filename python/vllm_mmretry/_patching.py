@@ -132,7 +132,8 @@ def field_problems(fields: dict[str, tuple[Any, tuple[str, ...]]]) -> list[str]:
     """Which fields the adapter reads (label -> (class, names)) the class lacks."""
     problems = []
     for label_, (cls, names) in fields.items():
-        missing = [name for name in names if name not in field_names(cls)]
+        declared = field_names(cls)
+        missing = [name for name in names if name not in declared]
         if missing:
             problems.append(f"cannot read {label_}.{', '.join(missing)}: not a field of "
                             "this vLLM's class")

@@ -206,7 +206,7 @@ def track(output_processor: Any) -> None:
     _get().retry_series_at_zero()
     with _lock:
         _tracked[output_processor] = seen
-    _publish_self_check(_get(), output_processor, seen)
+    _publish_self_check(_get(), output_processor, _failed_parts(output_processor.counters()), seen)
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -253,16 +253,21 @@ def flush() -> None:
         try:
             counters = op.counters()
             _publish(_metrics, counters, seen)
-            if frozenset(counters.get("self_check_failed", {})) != seen.failed_parts:
-                _publish_self_check(_metrics, op, seen)
+            failed = _failed_parts(counters)
+            if failed != seen.failed_parts:
+                _publish_self_check(_metrics, op, failed, seen)
         except Exception:
             _logger.exception("vllm-mmretry: publishing metrics failed")
 
 
-def _publish_self_check(metrics: _Metrics, output_processor: Any, seen: _Seen) -> None:
+def _failed_parts(counters: dict[str, Any]) -> frozenset[str]:
+    return frozenset(counters.get("self_check_failed", {}))
+
+
+def _publish_self_check(metrics: _Metrics, output_processor: Any, failed: frozenset[str],
+                        seen: _Seen) -> None:
     """The self-check's verdict: its failed parts and the info metric's native flags
     (again when a part fails later: `objects` is checked on the first request)."""
-    failed = frozenset(output_processor.counters().get("self_check_failed", {}))
     seen.failed_parts = failed
     for part in failed:
         metrics.self_check_failed.labels(part=part).set(1)

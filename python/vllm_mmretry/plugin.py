@@ -127,8 +127,8 @@ def _install_checked(
     """Every installer (all of them unless named), or none: a vLLM function whose
     signature is not the adapter's record, a missing seam or any other failure to patch
     undoes what was patched and raises PatchError. A bad setting of this package (the
-    retry budget, the fault switch) is raised as it is: `vllm serve` stops and says
-    which."""
+    retry budget, the metrics interval, the fault switch) is raised as it is: `vllm
+    serve` stops and says which."""
     from vllm_mmretry import budget, faults, metrics
     from vllm_mmretry.budget import BudgetConfigError
     from vllm_mmretry.faults import FaultConfigError
