@@ -157,3 +157,14 @@ def test_a_retry_is_granted_only_when_a_whole_one_fits(requests: int, granted: i
 
 def test_no_floor_is_a_valid_setting() -> None:
     assert budget.config_from_env({budget.ENV_MIN_RETRIES: "0"}).min_retries == 0
+
+
+@pytest.mark.parametrize("ratio,requests,retries", [
+    (0.29, 100, 29), (0.1, 30, 3), (0.3, 10, 3), (0.07, 100, 7), (1e-3, 3000, 3)])
+def test_ratio_times_requests_is_exact_not_a_float_product(
+        ratio: float, requests: int, retries: int) -> None:
+    # 0.29 * 100 is 28.999999999999996 in floats: the written rule grants 29.
+    b, _, _ = _budget(ratio=ratio, floor=0)
+    for _ in range(requests):
+        b.deposit("/e")
+    assert _withdraw_all(b, "/e") == retries

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 ENV_RATIO = "VLLM_MMRETRY_RETRY_BUDGET_RATIO"
@@ -119,6 +120,9 @@ class RetryBudget:
         self.config = config or BudgetConfig()
         self.clock = clock
         self.log = log
+        # The ratio as the decimal it was written as: 0.29 * 100 requests is 29
+        # retries, not the float product's 28.999...
+        self._ratio = Fraction(repr(self.config.ratio))
         self._requests = _WindowedCount(self.config.window_s)
         self._retries = _WindowedCount(self.config.window_s)
         self._lock = threading.Lock()
@@ -138,11 +142,10 @@ class RetryBudget:
     def balance(self) -> float:
         """Retries still allowed in the current window (may be fractional)."""
         with self._lock:
-            return self._balance(self.clock())
+            return float(self._balance(self.clock()))
 
-    def _balance(self, now: float) -> float:
-        c = self.config
-        allowed = c.ratio * self._requests.total(now) + c.min_retries
+    def _balance(self, now: float) -> Fraction:
+        allowed = self._ratio * self._requests.total(now) + self.config.min_retries
         return allowed - self._retries.total(now)
 
     def try_withdraw(self, endpoint: str) -> bool:
