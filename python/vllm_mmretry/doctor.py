@@ -267,11 +267,11 @@ def check_catchup_records() -> Check:
 
 
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:
-    if target is None:
+    if target is None or args is None:  # args are vllm serve's, parsed when a target is given
         return Check("tokenizer", SKIP, "no model or folder given")
     from vllm_mmretry.output_processor import NATIVE_DETOK_ENV, native_detok_enabled, native_vocab
 
-    source, options = _serve_tokenizer(target, args)
+    source, options = vllm_adapter.adapter().serve_tokenizer(target, args)
     details: dict[str, Any] = {"tokenizer": source, **options}
     try:
         tokenizer = vllm_adapter.adapter().load_tokenizer(source, options)
@@ -334,12 +334,6 @@ def parse_serve_args(target: str | None, flags: list[str]) -> argparse.Namespace
     """The namespace `vllm serve TARGET FLAGS...` would run with."""
     argv = ([target] if target else []) + flags
     return vllm_adapter.adapter().parse_serve_args(argv)
-
-
-def _serve_tokenizer(target: str, args: argparse.Namespace | None) -> tuple[str, dict[str, Any]]:
-    if args is None:  # vLLM's serve flags could not be read: its defaults
-        return target, {}
-    return vllm_adapter.adapter().serve_tokenizer(target, args)
 
 
 def _serve_cache_type(args: argparse.Namespace) -> tuple[str | None, int]:
