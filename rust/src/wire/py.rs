@@ -143,7 +143,17 @@ impl OutputsReader {
 }
 
 impl OutputsReader {
+    /// `build_objects`, with a bug there (a panic) a RuntimeError for this message, which
+    /// the decoder answers with vLLM's own, instead of a PanicException.
     fn build<'py>(&self, py: Python<'py>, bytes: &[u8]) -> PyResult<Option<Bound<'py, PyAny>>> {
+        guarded("build engine outputs", || self.build_objects(py, bytes))?
+    }
+
+    fn build_objects<'py>(
+        &self,
+        py: Python<'py>,
+        bytes: &[u8],
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let Some(msg) = guarded("read engine outputs", || read(&self.layout, bytes))? else {
             return Ok(None);
         };

@@ -118,8 +118,9 @@ fn anything_uncommon_is_not_read() {
             let w = W::default().arr(2).int(0).arr(1).arr(7).str("r").arr(0);
             w.nil().nil().nil().int(0).nil().0
         },
-        // more top-level fields than declared
-        W::default().arr(5).nil().nil().nil().nil().nil().0,
+        // more top-level fields than declared (the outputs where they belong, so only
+        // the count refuses it)
+        W::default().arr(5).int(0).arr(0).nil().nil().nil().0,
         // a negative finish reason
         W::default()
             .arr(2)
@@ -195,4 +196,13 @@ fn every_integer_width_reads_as_msgpack_says() {
         let m = read(&layout(), &buf).unwrap();
         assert_eq!(m.outputs[0][1], Val::Ints(vec![want]));
     }
+}
+
+#[test]
+fn one_top_level_field_past_the_layout_is_not_read() {
+    let l = layout();
+    let fits = W::default().arr(4).int(0).arr(0).nil().nil().0;
+    assert!(read(&l, &fits).is_some());
+    let past = W::default().arr(5).int(0).arr(0).nil().nil().nil().0;
+    assert!(read(&l, &past).is_none());
 }
