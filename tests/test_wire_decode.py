@@ -253,6 +253,33 @@ def test_nil_in_non_optional_top_field_gives_vllms_error(fields: list[object]) -
     assert native[:2] == vllm[:2], (ours.native, native[2] if native[0] == "decoded" else native)
 
 
+def test_a_top_level_field_past_vllms_layout_gives_vllms_answer() -> None:
+    """One more top-level field than EngineCoreOutputs has: vLLM's decoder ignores it;
+    the reader must not read it (the outputs sit where they belong, so only the field
+    count can refuse it)."""
+    n = len(EngineCoreOutputs.__struct_fields__)
+    fields: list[object] = [0, [], None, 1.0] + [None] * (n - 4)
+    vllm_fits, native_fits, ours_fits = decode_both([msgspec.msgpack.encode(fields)])
+    assert vllm_fits[0] == "decoded" and ours_fits.native == 1
+    assert native_fits[:2] == vllm_fits[:2]
+    vllm, native, ours = decode_both([msgspec.msgpack.encode([*fields, None])])
+    assert vllm[0] == "decoded" and ours.native == 0
+    assert native[:2] == vllm[:2]
+
+
+def test_negative_and_wide_integers_read_as_vllm_reads_them() -> None:
+    """Every msgpack integer width, signed and unsigned, in token ids and a stop reason
+    (hypothesis' common-shape messages draw non-negative ids only)."""
+    ids = [-1, -32, -33, -100, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1,
+           127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32]
+    for stop in (-100, -129, -(2**40), 2**40):
+        msg = EngineCoreOutputs(outputs=[EngineCoreOutput(
+            request_id="r", new_token_ids=ids, stop_reason=stop)])
+        vllm, native, ours = decode_both(MsgpackEncoder().encode(msg))
+        assert ours.native == 1
+        assert native[:2] == vllm[:2]
+
+
 def test_utility_reply_array_is_writable_as_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     """A utility reply carrying a small ndarray (collective_rpc with insecure
     serialization), in the zmq.Frame the output task hands the decoder: vLLM's
