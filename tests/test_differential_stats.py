@@ -230,6 +230,11 @@ def test_same_stats_as_stock(
 
     def compare_live() -> None:
         assert request_stats_form(ours.op) == request_stats_form(stock.op)
+        # What each external id still maps to: a mapping an abort forgot to unlink
+        # answers the same aborts but grows without bound.
+        for ext in externals:
+            assert sorted(ours.op._core.external_ids(ext)) == sorted(
+                stock.op.external_req_ids.get(ext, [])), ext
         a, b = stock.drain(), ours.drain()
         assert {k: outputs_form([v]) for k, v in b.items()} == {k: outputs_form([v]) for k, v in a.items()}
 

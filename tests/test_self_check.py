@@ -41,7 +41,7 @@ def _run(tokenizer: Any, eco_cls: type = EngineCoreOutput, async_mode: bool = Tr
     leaves outputs to merge)."""
     stock, ours = (
         Side(StockOP(tokenizer, log_stats=log_stats), async_mode),
-        Side(OurOP(tokenizer, log_stats=log_stats), async_mode),
+        Side(OurOP(tokenizer, log_stats=log_stats), async_mode, self_check_may_fail=True),
     )
     live, _ = add_to_both(stock, ours, SPECS)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
@@ -260,6 +260,22 @@ def test_native_merges_equal_stock(tiny_tokenizer: Any, async_mode: bool) -> Non
     c = op.counters()
     assert c["self_check_failed"] == {}
     assert (c["native_merges"] > 0) == async_mode
+
+
+def test_the_native_merge_leaves_another_completion_index_to_vllm(tiny_tokenizer: Any) -> None:
+    """An output for another completion index is not merged natively (vLLM's `add`
+    appends it as a second completion): the merge declines and touches nothing."""
+    op = OurOP(tiny_tokenizer, log_stats=False)
+    cur, nxt = v0_32._merge_pair(False, False, {})
+    nxt.outputs[0].index = 1
+    co = cur.outputs[0]
+    before = (dict(vars(cur)), dict(vars(co)), list(co.token_ids))
+    assert op._core.native_merge_outputs(cur, nxt) is False
+    assert (vars(cur), vars(co), co.token_ids) == before
+    assert cur.outputs == [co]
+    nxt.outputs[0].index = 0  # the same pair with the index of the one held: merged
+    assert op._core.native_merge_outputs(cur, nxt) is True
+    assert co.token_ids == [1, 2, 3]
 
 
 def _moved(field: str, src: str, dst: str) -> dict[str, tuple[str, ...]]:
