@@ -143,10 +143,10 @@ impl OutputsReader {
 }
 
 impl OutputsReader {
-    /// `build_objects`, with a bug there (a panic) a RuntimeError for this message, which
-    /// the decoder answers with vLLM's own, instead of a PanicException.
+    /// `build_objects`, with a bug there (a panic, reading or building) a RuntimeError for
+    /// this message, which the decoder answers with vLLM's own, instead of a PanicException.
     fn build<'py>(&self, py: Python<'py>, bytes: &[u8]) -> PyResult<Option<Bound<'py, PyAny>>> {
-        guarded("build engine outputs", || self.build_objects(py, bytes))?
+        guarded("read engine outputs", || self.build_objects(py, bytes))?
     }
 
     fn build_objects<'py>(
@@ -154,7 +154,7 @@ impl OutputsReader {
         py: Python<'py>,
         bytes: &[u8],
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(msg) = guarded("read engine outputs", || read(&self.layout, bytes))? else {
+        let Some(msg) = read(&self.layout, bytes) else {
             return Ok(None);
         };
         let outputs = PyList::empty(py);
