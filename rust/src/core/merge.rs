@@ -413,7 +413,60 @@ impl Classes {
 
 #[cfg(test)]
 mod tests {
-    use super::SmallList;
+    use super::{SmallList, Template};
+    use pyo3::prelude::*;
+    use pyo3::types::PyDict;
+
+    fn dict<'py>(py: Python<'py>, items: &[(&str, &Bound<'py, PyAny>)]) -> Bound<'py, PyDict> {
+        let d = PyDict::new(py);
+        for (k, v) in items {
+            d.set_item(k, v).unwrap();
+        }
+        d
+    }
+
+    /// Which dict a split template is based on, and the names of its own values.
+    fn based_on(t: &Template, py: Python<'_>) -> (usize, Vec<String>) {
+        let own = t.own.iter().map(|(n, _)| n.bind(py).to_string()).collect();
+        (t.base.bind(py).as_ptr() as usize, own)
+    }
+
+    #[test]
+    fn split_shares_only_a_template_with_the_same_keys_in_the_same_order() {
+        Python::initialize();
+        Python::attach(|py| {
+            let (a, b) = (
+                py.None().into_bound(py),
+                1i64.into_pyobject(py).unwrap().into_any(),
+            );
+            let c = "c".into_pyobject(py).unwrap().into_any();
+            let shared = dict(py, &[("x", &a), ("y", &a)]);
+            let shared_at = shared.as_ptr() as usize;
+            let split = |full: &Bound<'_, PyDict>| {
+                based_on(&Template::split(full.clone(), Some(&shared)), py)
+            };
+
+            let same_keys = dict(py, &[("x", &a), ("y", &b)]);
+            assert_eq!(split(&same_keys), (shared_at, vec!["y".to_string()]));
+
+            // A key the shared template lacks (one an adapter added) keeps the whole dict:
+            // on the shared base that key would be lost.
+            let extra_key = dict(py, &[("x", &a), ("y", &a), ("z", &c)]);
+            assert_eq!(split(&extra_key), (extra_key.as_ptr() as usize, vec![]));
+
+            let fewer_keys = dict(py, &[("x", &a)]);
+            assert_eq!(split(&fewer_keys), (fewer_keys.as_ptr() as usize, vec![]));
+
+            let other_order = dict(py, &[("y", &a), ("x", &a)]);
+            assert_eq!(split(&other_order), (other_order.as_ptr() as usize, vec![]));
+
+            let nothing_shared = Template::split(same_keys.clone(), None);
+            assert_eq!(
+                based_on(&nothing_shared, py),
+                (same_keys.as_ptr() as usize, vec![])
+            );
+        });
+    }
 
     #[test]
     fn small_list_keeps_push_order_past_its_inline_items() {
