@@ -58,7 +58,9 @@ test-rust: vocabs
 
 # Two pytest workers (pytest-xdist): the server tests on one, the rest on the other
 # (tests/conftest.py, pytest_xdist_make_scheduler).
-XDIST := -n 2
+# A worker that a test's timeout ended is not replaced: xdist's scope scheduler fails on
+# a replacement (KeyError in registered_collections) and the report is lost.
+XDIST := -n 2 --max-worker-restart=0
 
 # The served-speed smoke test needs the mock engine and vllm-rs: require them, so it
 # cannot skip silently here.
@@ -109,7 +111,7 @@ bench-py: setup setup-033
 N ?= 200
 soak: setup
 	SOAK_REQUESTS=$(N) SOAK_REPORT=$(abspath .cache)/soak-report.json \
-	  $(VPY) -m pytest -q -s -p no:cacheprovider tests/e2e/test_soak.py
+	  $(VPY) -m pytest -q -s -p no:cacheprovider --timeout=0 tests/e2e/test_soak.py
 
 # Served speed (issue #11): stock, the plugin and vLLM's Rust front end behind vLLM's mock
 # engine, loaded by vllm-rs bench serve. BENCH_SERVE_QUICK=1: smoke size. PROFILE=1: also
