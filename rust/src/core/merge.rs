@@ -415,14 +415,10 @@ impl Classes {
 mod tests {
     use super::{SmallList, Template};
     use pyo3::prelude::*;
-    use pyo3::types::PyDict;
+    use pyo3::types::{IntoPyDict, PyDict};
 
     fn dict<'py>(py: Python<'py>, items: &[(&str, &Bound<'py, PyAny>)]) -> Bound<'py, PyDict> {
-        let d = PyDict::new(py);
-        for (k, v) in items {
-            d.set_item(k, v).unwrap();
-        }
-        d
+        items.iter().copied().into_py_dict(py).unwrap()
     }
 
     /// Which dict a split template is based on, and the names of its own values.
