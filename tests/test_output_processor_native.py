@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from output_processor_support import ReqSpec, Side, eco, engine_request, norm
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine import FinishReason
+from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP
 
 from vllm_mmretry.output_processor import OutputProcessor as OurOP
@@ -138,3 +138,41 @@ def test_a_stop_string_with_a_lone_surrogate_runs_on_vllms_code(tiny_tokenizer: 
             break
         _step_both(stock, ours, [("r", ids[k : k + 3], {})])
     assert not ours.op.has_request("r") and not stock.op.has_request("r")
+
+
+def _outcome(side: Side, ecos: list[Any]) -> Any:
+    """A step's outputs, aborts and collector contents, or the exception it raised."""
+    try:
+        outs, aborts = side.step(ecos)
+    except Exception as e:  # noqa: BLE001 - compared with stock's
+        return ("raised", type(e).__name__, str(e), {k: norm(v) for k, v in side.drain().items()})
+    return [norm(o) for o in outs], aborts, {k: norm(v) for k, v in side.drain().items()}
+
+
+@pytest.mark.parametrize("log_stats", [False, True])
+@pytest.mark.parametrize("detokenize", [True, False])
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE,
+                                  RequestOutputKind.FINAL_ONLY])
+@pytest.mark.parametrize("odd", [None, (9, 10)], ids=["none", "tuple"])
+def test_token_ids_that_are_not_a_list_are_answered_by_vllms_code(
+    tiny_tokenizer: Any, log_stats: bool, detokenize: bool, kind: RequestOutputKind, odd: Any
+) -> None:
+    """The decoder always gives a list; an engine of the caller's own may give None or a
+    tuple. That request leaves the native loop (counted) and vLLM's Python answers the
+    step as stock does, whatever that is (an output, or the same exception), with the
+    requests before and after it in the step and the steps after it unchanged."""
+    stock = Side(StockOP(tiny_tokenizer, log_stats=log_stats), True)
+    ours = Side(OurOP(tiny_tokenizer, log_stats=log_stats), True)
+    for rid in "abc":
+        spec = ReqSpec(rid, rid, [1], kind=kind, detokenize=detokenize)
+        stock.add(spec)
+        ours.add(spec)
+    steps = [
+        [eco(r, [5, 6]) for r in "abc"],
+        [eco("a", [7]), EngineCoreOutput(request_id="b", new_token_ids=odd), eco("c", [7])],
+        [eco(r, [8], FinishReason.LENGTH) for r in "abc"],
+    ]
+    for ecos in steps:
+        assert _outcome(ours, ecos) == _outcome(stock, ecos)
+    assert ours.op.counters()["fallbacks"] == {"token_ids_type": 1}
+    assert not ours.op.has_request("b") and not stock.op.has_request("b")

@@ -340,6 +340,14 @@ impl OutputCore {
         if matches!(self.table.get(slot).unwrap().mode, Mode::Fast(_)) {
             let reason = if finish == Finish::Foreign {
                 Some("finish_reason_type")
+            } else if !self
+                .eco
+                .get(&ev, F::NewTokenIds)?
+                .is_exact_instance_of::<PyList>()
+            {
+                // The decoder always gives a list; an engine of the caller's own
+                // may not (None, a tuple), and vLLM's Python answers that its way.
+                Some("token_ids_type")
             } else if !self.eco.get(&ev, F::RoutedExperts)?.is_none() {
                 Some("routed_experts")
             } else if !self.eco.get(&ev, F::NewSamplingMask)?.is_none() {
