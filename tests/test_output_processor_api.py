@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from output_processor_support import ReqSpec, Side, eco, engine_request
+from output_processor_support import ReqSpec, Side, eco, engine_request, norm
 from vllm.outputs import CompletionOutput, RequestError, RequestOutput
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 
@@ -152,3 +152,39 @@ def test_admission_count_follows_the_unfinished_requests(tiny_tokenizer: Any, en
     else:
         op.abort_requests(["a"], internal=True)
     assert admission.get_num_requests() == 1 == op.get_num_unfinished_requests()
+
+
+@pytest.mark.parametrize("which", ["request_id", "external_id", "parent_id"])
+def test_a_request_id_that_is_not_utf8_is_refused_as_stocks_engine_send_refuses_it(
+    tiny_tokenizer: Any, which: str
+) -> None:
+    """The table holds UTF-8 ids. A lone surrogate in an id is refused at `add_request` with
+    the UnicodeEncodeError stock's caller gets from vLLM's msgpack send to its engine core,
+    and nothing is left behind (stock keeps the request it could not send). An output or an
+    abort naming such an id is then an unknown id's: ignored, as stock ignores one."""
+    from vllm.v1.engine.output_processor import OutputProcessor as StockOP
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    bad = "r\ud800"
+    spec = {
+        "request_id": ReqSpec(bad, "r", [1]),
+        "external_id": ReqSpec("r", bad, [1]),
+        "parent_id": ReqSpec(bad, bad, [1], n=2),
+    }[which]
+    with pytest.raises(UnicodeEncodeError):
+        MsgpackEncoder().encode(engine_request(spec))
+    stock = Side(StockOP(tiny_tokenizer, log_stats=True), True)
+    ours = Side(OutputProcessor(tiny_tokenizer, log_stats=True), True)
+    with pytest.raises(UnicodeEncodeError):
+        ours.add(spec)
+    assert ours.op.get_num_unfinished_requests() == 0 and not ours.op.has_request(bad)
+    for side in (stock, ours):
+        side.add(ReqSpec("a", "a", [1]))
+    step = [eco(bad, [5]), eco("a", [5, 6]), eco(bad, [7], FinishReason.LENGTH)]
+    seen = []
+    for side in (stock, ours):
+        outs, aborts = side.step(step)
+        seen.append(([norm(o) for o in outs], aborts, {k: norm(v) for k, v in side.drain().items()},
+                     side.op.abort_requests([bad, "0_" + bad], internal=False)))
+    assert seen[1] == seen[0] and seen[0][2]  # "a"'s output, published
+    assert ours.op.has_request("a") and not ours.op.has_request(bad)

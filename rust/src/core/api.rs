@@ -146,6 +146,7 @@ impl OutputCore {
                 is_pooling,
             } = request;
             let id = request_id.to_str()?;
+            let external = external_req_id.to_str()?;
             if self.table.contains(id) {
                 return Err(PyValueError::new_err(format!(
                     "request {id:?} is already tracked by the output processor"
@@ -178,7 +179,7 @@ impl OutputCore {
                 self.parents.insert(pid, p.unbind());
             }
             self.table
-                .insert(id, &external_req_id, req)
+                .insert(id, external, req)
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
             Ok(())
         })
@@ -295,14 +296,20 @@ impl OutputCore {
                     "request_ids must be an iterable of str, not a str",
                 ));
             }
-            let ids: Vec<String> = request_ids
+            let mut ids = Vec::new();
+            for x in request_ids
                 .try_iter()
                 .map_err(|_| PyTypeError::new_err("request_ids must be an iterable of str"))?
-                .map(|x| {
-                    x?.extract::<String>()
-                        .map_err(|_| PyTypeError::new_err("request ids must be str"))
-                })
-                .collect::<PyResult<_>>()?;
+            {
+                let x = x?;
+                let id = x
+                    .cast::<PyString>()
+                    .map_err(|_| PyTypeError::new_err("request ids must be str"))?;
+                // A str that is not UTF-8 (a lone surrogate) was never added: unknown.
+                if let Ok(id) = id.to_str() {
+                    ids.push(id.to_owned());
+                }
+            }
             let mut result = Vec::new();
             self.abort_inner(py, ids, internal, &mut result)?;
             Ok(result)
@@ -321,8 +328,11 @@ impl OutputCore {
         })
     }
 
-    fn has(&self, request_id: &str) -> PyResult<bool> {
-        api("has", || Ok(self.table.contains(request_id)))
+    /// A str that is not UTF-8 (a lone surrogate) is never tracked: `add` refuses it.
+    fn has(&self, request_id: &Bound<'_, PyString>) -> PyResult<bool> {
+        api("has", || {
+            Ok(request_id.to_str().is_ok_and(|id| self.table.contains(id)))
+        })
     }
     fn __len__(&self) -> PyResult<usize> {
         api("__len__", || Ok(self.table.len()))

@@ -328,7 +328,9 @@ struct HelperSpec<'py> {
 #[derive(FromPyObject)]
 struct NewRequest<'py> {
     request_id: Bound<'py, PyString>,
-    external_req_id: String,
+    /// A str, read as UTF-8 in `add` (so a lone surrogate is the UnicodeEncodeError
+    /// the request id's would be, not an extraction TypeError).
+    external_req_id: Bound<'py, PyString>,
     /// vLLM's `RequestState`.
     state: Bound<'py, PyAny>,
     /// vLLM's `ParentRequest` (n > 1).
