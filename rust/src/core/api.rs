@@ -305,8 +305,7 @@ impl OutputCore {
                 let id = x
                     .cast::<PyString>()
                     .map_err(|_| PyTypeError::new_err("request ids must be str"))?;
-                // A str that is not UTF-8 (a lone surrogate) was never added: unknown.
-                if let Ok(id) = id.to_str() {
+                if let Some(id) = tracked_id(id) {
                     ids.push(id.to_owned());
                 }
             }
@@ -328,10 +327,9 @@ impl OutputCore {
         })
     }
 
-    /// A str that is not UTF-8 (a lone surrogate) is never tracked: `add` refuses it.
     fn has(&self, request_id: &Bound<'_, PyString>) -> PyResult<bool> {
         api("has", || {
-            Ok(request_id.to_str().is_ok_and(|id| self.table.contains(id)))
+            Ok(tracked_id(request_id).is_some_and(|id| self.table.contains(id)))
         })
     }
     fn __len__(&self) -> PyResult<usize> {

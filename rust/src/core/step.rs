@@ -323,8 +323,8 @@ impl OutputCore {
         let rid = rid_obj
             .cast::<PyString>()
             .map_err(|_| PyTypeError::new_err("EngineCoreOutput.request_id must be a str"))?;
-        let Ok(rid_s) = rid.to_str() else {
-            return Ok(()); // not UTF-8 (a lone surrogate): `add` refuses such an id
+        let Some(rid_s) = tracked_id(rid) else {
+            return Ok(());
         };
         let Some(slot) = self.table.step_slot_of(rid_s) else {
             // An output for an already-aborted request; a sibling this step aborted
