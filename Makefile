@@ -11,7 +11,12 @@ STAMP := $(VENV)/.stamps
 # it, so the ~16 GB of packages are not stored twice (`make clean` removes it).
 UV_VERSION := 0.13.9
 UV_CACHE := $(abspath .cache/uv)
-uv_install = UV_CACHE_DIR=$(UV_CACHE) $(1)/bin/uv pip install -q --python $(1)/bin/python
+# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE=1 is
+# set (this machine) Python never writes them either, so every process (each server, engine
+# core, doctor) would compile vLLM, torch and transformers from source again: about 10 s of
+# CPU per process start. Compiled once at install (about 15 s), vLLM imports in half the time.
+uv_install = UV_CACHE_DIR=$(UV_CACHE) $(1)/bin/uv pip install -q --compile-bytecode \
+  --python $(1)/bin/python
 UV := $(call uv_install,$(VENV))
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
