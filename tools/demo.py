@@ -58,7 +58,7 @@ def chat_demo() -> bool:
     import openai
 
     model = str(tiny_model.ensure_tiny_model())
-    print(f"starting vllm serve {model} with VLLM_MMRETRY_FAULTS={FAULTS} (about 40 s)",
+    print(f"starting vllm serve {model} with VLLM_MMRETRY_FAULTS={FAULTS} (about 30 s)",
           flush=True)
     with servers.serve(model, env={"VLLM_MMRETRY_FAULTS": FAULTS}) as server:
         client = openai.OpenAI(base_url=server.openai_url, api_key="none", max_retries=0)
