@@ -85,14 +85,14 @@ fn api<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     guarded(what, f)?
 }
 
-/// Token ids of one step as u32; an id that is no u32 decodes to nothing, as
-/// vLLM's `_protected_step` logs and skips it (it still counts as a token).
 /// A request id as the table may hold it; None for a str that is not UTF-8 (a lone
 /// surrogate): `add` refuses such an id, so no tracked request has it.
 fn tracked_id<'a>(id: &'a Bound<'_, PyString>) -> Option<&'a str> {
     id.to_str().ok()
 }
 
+/// Token ids of one step as u32; an id that is no u32 decodes to nothing, as
+/// vLLM's `_protected_step` logs and skips it (it still counts as a token).
 fn read_ids(ids: &Bound<'_, PyAny>, out: &mut Vec<u32>) -> PyResult<()> {
     out.clear();
     if let Ok(l) = ids.cast::<PyList>() {
