@@ -19,10 +19,13 @@ uv_install = UV_CACHE_DIR=$(UV_CACHE) $(1)/bin/uv pip install -q --compile-bytec
   --python $(1)/bin/python
 UV := $(call uv_install,$(VENV))
 # A venv filled before --compile-bytecode has no .pyc: compile it once (vLLM's own package
-# tells). The one torch file written in 3.12 syntax cannot compile on 3.11; uv skips it too.
+# tells; packages installed later are compiled by uv). The one torch file written in 3.12
+# syntax cannot compile on 3.11; uv skips it too. SyntaxWarnings (flashinfer's bundled
+# examples) are the packages' own, not set-up errors.
 compile_bytecode = site=$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
   test -d "$$site/vllm/__pycache__" || \
-  $(1)/bin/python -m compileall -q -j 0 -x 'torch/testing/_internal/py312_intrinsics' "$$site"
+  $(1)/bin/python -W ignore::SyntaxWarning -m compileall -q -j 0 \
+    -x 'torch/testing/_internal/py312_intrinsics' "$$site"
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_USAGE_STATS_SERVER :=
