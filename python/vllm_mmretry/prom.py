@@ -4,8 +4,8 @@ With statistics on (`vllm serve`'s default), vLLM's `PrometheusStatLogger.record
 runs once per engine-output message: a dozen counter increments (most of them of
 zero), a few gauge sets and a histogram observation per token. In prometheus_client
 each is a chain of four Python calls and a lock; together about 20 µs per message,
-a quarter of the plugin's API-server CPU per message (README, "Per engine-output
-message").
+a quarter of the plugin's API-server CPU per message (docs/served-speed.md,
+"Per engine-output message").
 
 vLLM's `record` still runs unchanged. After an engine is built, each single metric
 child its Prometheus stat loggers hold (a `Counter`, `Gauge` or `Histogram` that is

@@ -69,13 +69,13 @@ def enabled() -> bool:
 
 def native_decode_enabled() -> bool:
     # Off unless asked for: building vLLM's objects natively is slower than msgspec
-    # (README, "Native engine-output decoding"); it is the reader a native batch
+    # (docs/served-speed.md, "Native engine-output decoding"); it is the reader a native batch
     # path would start from.
     return switch_on(DECODE_SWITCH, default=False)
 
 
 def native_receive_enabled() -> bool:
-    # Off unless asked for, until served runs show it pays (README, "Native receive").
+    # Off unless asked for, until served runs show it pays (docs/served-speed.md, "Native receive thread").
     return switch_on(NATIVE_RECEIVE_SWITCH, default=False)
 
 
