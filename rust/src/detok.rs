@@ -273,64 +273,130 @@ impl Vocab {
     }
 }
 
-impl FastTable {
+/// The decoder pipeline a table can reproduce, with what its per-token stages need.
+struct Recognized {
+    pipeline: Pipeline,
+    /// The `Replace` stages of an SPM pipeline, applied to each token in order.
+    replaces: Vec<DecoderWrapper>,
+    /// Whether an SPM pipeline has `ByteFallback` ("<0xHH>" tokens are bytes).
+    byte_fallback: bool,
+}
+
+fn load_err(e: impl ToString) -> DetokError {
+    DetokError::Load(e.to_string())
+}
+
+/// A decoder stage's `type` in the tokenizer's JSON.
+fn stage_kind(v: &serde_json::Value) -> &str {
+    v.get("type").and_then(|t| t.as_str()).unwrap_or("")
+}
+
+impl Recognized {
     /// Recognizes the decoder pipeline; None means "use `Tokenizer::decode`".
-    fn build(tok: &Tokenizer) -> Result<Option<Self>, DetokError> {
+    fn from_tokenizer(tok: &Tokenizer) -> Result<Option<Self>, DetokError> {
         let Some(decoder) = tok.get_decoder() else {
             return Ok(None);
         };
-        let json = serde_json::to_value(decoder).map_err(|e| DetokError::Load(e.to_string()))?;
-        fn kind(v: &serde_json::Value) -> &str {
-            v.get("type").and_then(|t| t.as_str()).unwrap_or("")
+        let json = serde_json::to_value(decoder).map_err(load_err)?;
+        match stage_kind(&json) {
+            "ByteLevel" => Ok(Some(Recognized {
+                pipeline: Pipeline::ByteLevel,
+                replaces: Vec::new(),
+                byte_fallback: false,
+            })),
+            "Sequence" => match json.get("decoders").and_then(|d| d.as_array()) {
+                Some(stages) => Self::spm(stages),
+                None => Ok(None),
+            },
+            _ => Ok(None),
         }
+    }
 
-        let mut replaces: Vec<DecoderWrapper> = Vec::new();
-        let mut byte_fallback = false;
-        let pipeline = match kind(&json) {
-            "ByteLevel" => Pipeline::ByteLevel,
-            "Sequence" => {
-                let Some(stages) = json.get("decoders").and_then(|d| d.as_array()) else {
-                    return Ok(None);
-                };
-                let mut i = 0;
-                while i < stages.len() && kind(&stages[i]) == "Replace" {
-                    let r: DecoderWrapper = serde_json::from_value(stages[i].clone())
-                        .map_err(|e| DetokError::Load(e.to_string()))?;
-                    replaces.push(r);
-                    i += 1;
-                }
-                if i < stages.len() && kind(&stages[i]) == "ByteFallback" {
-                    byte_fallback = true;
-                    i += 1;
-                }
-                if !(i < stages.len() && kind(&stages[i]) == "Fuse") {
-                    return Ok(None);
-                }
-                i += 1;
-                let mut strip = None;
-                if i < stages.len() && kind(&stages[i]) == "Strip" {
-                    let s = &stages[i];
-                    let content = s.get("content").and_then(|c| c.as_str()).unwrap_or("");
-                    let mut chars = content.chars();
-                    let (Some(c), None) = (chars.next(), chars.next()) else {
-                        return Ok(None);
-                    };
-                    let start = s.get("start").and_then(|v| v.as_u64());
-                    let stop = s.get("stop").and_then(|v| v.as_u64());
-                    match (start, stop) {
-                        (Some(start), Some(0)) => strip = Some((c, start as usize)),
-                        _ => return Ok(None),
-                    }
-                    i += 1;
-                }
-                if i != stages.len() {
-                    return Ok(None);
-                }
-                Pipeline::Spm { strip }
+    /// `Sequence[Replace*, ByteFallback?, Fuse, Strip(c, start, 0)?]`, or None.
+    fn spm(stages: &[serde_json::Value]) -> Result<Option<Self>, DetokError> {
+        let mut replaces = Vec::new();
+        let mut i = 0;
+        while i < stages.len() && stage_kind(&stages[i]) == "Replace" {
+            replaces.push(serde_json::from_value(stages[i].clone()).map_err(load_err)?);
+            i += 1;
+        }
+        let byte_fallback = i < stages.len() && stage_kind(&stages[i]) == "ByteFallback";
+        if byte_fallback {
+            i += 1;
+        }
+        if !(i < stages.len() && stage_kind(&stages[i]) == "Fuse") {
+            return Ok(None);
+        }
+        i += 1;
+        let mut strip = None;
+        if i < stages.len() && stage_kind(&stages[i]) == "Strip" {
+            let Some(s) = strip_of(&stages[i]) else {
+                return Ok(None);
+            };
+            strip = Some(s);
+            i += 1;
+        }
+        if i != stages.len() {
+            return Ok(None);
+        }
+        Ok(Some(Recognized {
+            pipeline: Pipeline::Spm { strip },
+            replaces,
+            byte_fallback,
+        }))
+    }
+
+    /// One token's bytes under an SPM pipeline: its text after the `Replace`
+    /// stages, or the byte a `ByteFallback` "<0xHH>" token stands for.
+    fn spm_piece(&self, token: String) -> Result<SpmPiece, DetokError> {
+        let mut piece = vec![token];
+        for r in &self.replaces {
+            piece = r.decode_chain(piece).map_err(load_err)?;
+        }
+        let [piece] = <[String; 1]>::try_from(piece)
+            .map_err(|_| DetokError::Load("Replace changed the token count".into()))?;
+        // Exactly ByteFallback's test for a "<0xHH>" token.
+        if self.byte_fallback
+            && piece.len() == 6
+            && piece.starts_with("<0x")
+            && piece.ends_with('>')
+        {
+            if let Ok(b) = u8::from_str_radix(&piece[3..5], 16) {
+                return Ok(SpmPiece::Byte(b));
             }
-            _ => return Ok(None),
-        };
+        }
+        Ok(SpmPiece::Text(piece))
+    }
+}
 
+/// A `Strip` stage the table reproduces: one character, stripped `start` times
+/// from the left and never from the right.
+fn strip_of(s: &serde_json::Value) -> Option<(char, usize)> {
+    let content = s.get("content").and_then(|c| c.as_str()).unwrap_or("");
+    let mut chars = content.chars();
+    let (Some(c), None) = (chars.next(), chars.next()) else {
+        return None;
+    };
+    let start = s.get("start").and_then(|v| v.as_u64());
+    let stop = s.get("stop").and_then(|v| v.as_u64());
+    match (start, stop) {
+        (Some(start), Some(0)) => Some((c, start as usize)),
+        _ => None,
+    }
+}
+
+enum SpmPiece {
+    Text(String),
+    Byte(u8),
+}
+
+impl FastTable {
+    /// The per-token decode table of a recognized pipeline; None means "use
+    /// `Tokenizer::decode`".
+    fn build(tok: &Tokenizer) -> Result<Option<Self>, DetokError> {
+        let Some(rec) = Recognized::from_tokenizer(tok)? else {
+            return Ok(None);
+        };
         let n = tok
             .get_vocab(true)
             .values()
@@ -351,39 +417,19 @@ impl FastTable {
             }
             let off = arena.len() as u32;
             let mut byte = 0;
-            match pipeline {
+            match rec.pipeline {
                 Pipeline::ByteLevel => {
                     let mapped: Option<Vec<u8>> =
                         token.chars().map(|c| char_bytes.get(&c).copied()).collect();
                     arena.extend_from_slice(&mapped.unwrap_or_else(|| token.as_bytes().to_vec()));
                 }
-                Pipeline::Spm { .. } => {
-                    let mut piece = vec![token];
-                    for r in &replaces {
-                        piece = r
-                            .decode_chain(piece)
-                            .map_err(|e| DetokError::Load(e.to_string()))?;
+                Pipeline::Spm { .. } => match rec.spm_piece(token)? {
+                    SpmPiece::Byte(b) => {
+                        flags |= BYTE;
+                        byte = b;
                     }
-                    let [piece] = <[String; 1]>::try_from(piece)
-                        .map_err(|_| DetokError::Load("Replace changed the token count".into()))?;
-                    // Exactly ByteFallback's test for a "<0xHH>" token.
-                    let b = if byte_fallback
-                        && piece.len() == 6
-                        && piece.starts_with("<0x")
-                        && piece.ends_with('>')
-                    {
-                        u8::from_str_radix(&piece[3..5], 16).ok()
-                    } else {
-                        None
-                    };
-                    match b {
-                        Some(b) => {
-                            flags |= BYTE;
-                            byte = b;
-                        }
-                        None => arena.extend_from_slice(piece.as_bytes()),
-                    }
-                }
+                    SpmPiece::Text(piece) => arena.extend_from_slice(piece.as_bytes()),
+                },
             }
             *entry = Entry {
                 off,
@@ -393,7 +439,7 @@ impl FastTable {
             };
         }
         Ok(Some(FastTable {
-            pipeline,
+            pipeline: rec.pipeline,
             entries,
             arena,
         }))
