@@ -54,6 +54,40 @@ impl Classes {
         Ok(spans.into_any())
     }
 
+    /// The step's text from the request's detokenizer (vLLM's or the native one:
+    /// `get_next_output_text`), and the request's whole id list where the output
+    /// needs it (a cumulative kind, or a stream interval).
+    fn next_text<'py>(
+        &self,
+        py: Python<'py>,
+        f: &mut Fast,
+        finished: bool,
+        delta: bool,
+    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+        match &mut f.detok {
+            Detok::Python(detok) => {
+                let detok = detok.bind(py);
+                let all = if f.stream_interval > 1 || !delta {
+                    Some(detok.getattr(self.obj.detok_output_token_ids.bind(py))?)
+                } else {
+                    None
+                };
+                let text = detok.call_method1(
+                    self.obj.detok_get_next_output_text.bind(py),
+                    (finished, delta),
+                )?;
+                Ok((text, all))
+            }
+            Detok::Native(nd) => {
+                let st = &mut nd.st;
+                let text = guarded("get_next_output_text", || {
+                    PyString::new(py, st.output_text_ref(finished, delta)).into_any()
+                })?;
+                Ok((text, nd.ids.as_ref().map(|l| l.bind(py).clone().into_any())))
+            }
+        }
+    }
+
     /// vLLM's `RequestState.make_request_output` for a fast request; when the
     /// request's collector still holds an output, merged into it natively where
     /// the merge rules allow (`merge.rs`).
@@ -84,30 +118,7 @@ impl Classes {
         {
             return Ok(Built::Nothing);
         }
-        let (text, all_ids) = match &mut f.detok {
-            Detok::Python(detok) => {
-                let detok = detok.bind(py);
-                let all = if f.stream_interval > 1 || !delta {
-                    Some(detok.getattr(self.obj.detok_output_token_ids.bind(py))?)
-                } else {
-                    None
-                };
-                (
-                    detok.call_method1(
-                        self.obj.detok_get_next_output_text.bind(py),
-                        (finished, delta),
-                    )?,
-                    all,
-                )
-            }
-            Detok::Native(nd) => {
-                let st = &mut nd.st;
-                let text = guarded("get_next_output_text", || {
-                    PyString::new(py, st.output_text_ref(finished, delta)).into_any()
-                })?;
-                (text, nd.ids.as_ref().map(|l| l.bind(py).clone().into_any()))
-            }
-        };
+        let (text, all_ids) = self.next_text(py, f, finished, delta)?;
         if let Some(all) = all_ids {
             if !delta {
                 token_ids = all;

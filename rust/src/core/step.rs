@@ -483,6 +483,46 @@ impl OutputCore {
         Ok(())
     }
 
+    /// A fast step's iteration statistics: natively for a plain decode step, else
+    /// with vLLM's own `update_from_output` (when statistics are on).
+    fn record_iteration_stats<'py>(
+        &mut self,
+        py: Python<'py>,
+        slot: usize,
+        ev: &Eco<'_, 'py>,
+        new_ids: &Bound<'py, PyAny>,
+        cx: &Step<'_, 'py>,
+    ) -> PyResult<()> {
+        let req = self.table.get(slot).unwrap();
+        let native = match cx.decode {
+            Some(d) if !req.progress.is_prefilling => record_plain_decode(
+                d,
+                &self.cls.obj,
+                &self.eco,
+                ev,
+                req.progress.stats.bind(py),
+                new_ids,
+            )?,
+            _ => false,
+        };
+        if native {
+            self.native_stats_steps += 1;
+        } else if !cx.iteration_stats.is_none() {
+            cx.iteration_stats.call_method1(
+                self.cls.obj.update_from_output.bind(py),
+                (
+                    ev.obj(),
+                    cx.ts,
+                    req.progress.is_prefilling,
+                    req.progress.stats.bind(py),
+                    self.lora_states.bind(py),
+                    req.lora_name.bind(py),
+                ),
+            )?;
+        }
+        Ok(())
+    }
+
     /// One output of a fast request; its finish reason comes as (the object, as
     /// vLLM hands it on, and its code, read once by `step_one`).
     pub(super) fn step_fast<'py>(
@@ -495,11 +535,8 @@ impl OutputCore {
         rid: &str,
     ) -> PyResult<()> {
         let Step {
-            ts,
-            iteration_stats,
             weight_version,
             outs,
-            decode,
             ..
         } = *cx;
         self.fast_steps += 1;
@@ -518,36 +555,10 @@ impl OutputCore {
                 None
             }
         };
-        let req = self.table.get_mut(slot).unwrap();
 
-        // 1) Iteration stats: natively for a plain decode step, else with vLLM's
-        // own update function.
-        let native = match decode {
-            Some(d) if !req.progress.is_prefilling => record_plain_decode(
-                d,
-                &self.cls.obj,
-                er,
-                ev,
-                req.progress.stats.bind(py),
-                &new_ids,
-            )?,
-            _ => false,
-        };
-        if native {
-            self.native_stats_steps += 1;
-        } else if !iteration_stats.is_none() {
-            iteration_stats.call_method1(
-                self.cls.obj.update_from_output.bind(py),
-                (
-                    ev.obj(),
-                    ts,
-                    req.progress.is_prefilling,
-                    req.progress.stats.bind(py),
-                    self.lora_states.bind(py),
-                    req.lora_name.bind(py),
-                ),
-            )?;
-        }
+        // 1) Iteration stats.
+        self.record_iteration_stats(py, slot, ev, &new_ids, cx)?;
+        let req = self.table.get_mut(slot).unwrap();
         if let Some(ps) = prefill_stats {
             Self::end_prefill(&self.cls, py, req, &ps)?;
         }
