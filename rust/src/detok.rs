@@ -136,16 +136,21 @@ pub struct Scratch {
 /// A self-check mismatch: (ids, skip_special_tokens, ours, reference).
 pub type Mismatch = (Vec<u32>, bool, String, String);
 
+/// A tokenizer that cannot be read or reproduced, with the loader's message.
+fn load_err(e: impl ToString) -> DetokError {
+    DetokError::Load(e.to_string())
+}
+
 impl Vocab {
     /// From the JSON of the exact tokenizer vLLM uses (`tokenizer._tokenizer.to_str()`).
     pub fn from_json(json: &str) -> Result<Self, DetokError> {
-        let tok: Tokenizer = json.parse().map_err(|e| DetokError::Load(format!("{e}")))?;
+        let tok: Tokenizer = json.parse().map_err(load_err)?;
         Self::from_tokenizer(tok)
     }
 
     /// From a `tokenizer.json` file.
     pub fn from_file(path: &str) -> Result<Self, DetokError> {
-        let tok = Tokenizer::from_file(path).map_err(|e| DetokError::Load(format!("{e}")))?;
+        let tok = Tokenizer::from_file(path).map_err(load_err)?;
         Self::from_tokenizer(tok)
     }
 
@@ -280,10 +285,6 @@ struct Recognized {
     replaces: Vec<DecoderWrapper>,
     /// Whether an SPM pipeline has `ByteFallback` ("<0xHH>" tokens are bytes).
     byte_fallback: bool,
-}
-
-fn load_err(e: impl ToString) -> DetokError {
-    DetokError::Load(e.to_string())
 }
 
 /// A decoder stage's `type` in the tokenizer's JSON.
