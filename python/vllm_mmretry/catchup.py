@@ -5,9 +5,9 @@ With statistics on (`vllm serve`'s default), vLLM's output handler builds an
 before it takes the next message. When the engine is ahead of the API server (vLLM's
 mock engine always is; a fast engine at high load often), the handler works through
 hundreds of waiting messages without yielding to the event loop, and those records
-are the largest single item of its per-message work (docs/served-speed.md,
-"Per engine-output message"). Nothing else runs on the event loop until the handler has caught up, so
-no one can read the metrics in between.
+are the largest single item of its per-message work (docs/served-speed.md, "Per
+engine-output message"). Nothing else runs on the event loop until the handler has
+caught up, so no one can read the metrics in between.
 
 The handler stays vLLM's; the adapter (`vllm_adapter/output_handler.py`) hooks where it
 builds and records statistics, so that those of a catch-up are recorded when it ends:

@@ -75,7 +75,8 @@ def native_decode_enabled() -> bool:
 
 
 def native_receive_enabled() -> bool:
-    # Off unless asked for, until served runs show it pays (docs/served-speed.md, "Native receive thread").
+    # Off unless asked for, until served runs show it pays
+    # (docs/served-speed.md, "Native receive thread").
     return switch_on(NATIVE_RECEIVE_SWITCH, default=False)
 
 
