@@ -26,6 +26,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from vllm_mmretry import _patching, budget
 from vllm_mmretry import metrics as _metrics  # vllm-mmretry metrics hook
 from vllm_mmretry.vllm_adapter import adapter, vllm_logger
@@ -171,10 +173,46 @@ def _endpoint(raw_request: Any, default: str) -> str:
     return getattr(url, "path", None) or default
 
 
+# Values a deep copy returns as they are (copy's `_deepcopy_atomic`).
+_ATOMS = frozenset((str, int, float, bool, type(None), bytes))
+
+
 def _copy(request: Any) -> Any:
-    # Rendering may adjust the request (tool parsers, Mistral); keep the source.
-    model_copy = getattr(request, "model_copy", None)
-    return model_copy(deep=True) if model_copy is not None else copy.deepcopy(request)
+    """A deep copy of the request: rendering may adjust it in place (tool parsers,
+    Mistral), and a retry needs the source."""
+    if not isinstance(request, BaseModel):
+        return copy.deepcopy(request)
+    if not _copies_as_pydantic(type(request)):
+        return request.model_copy(deep=True)
+    return _deep_model_copy(request)
+
+
+@functools.cache
+def _copies_as_pydantic(cls: type[BaseModel]) -> bool:
+    """The class copies with pydantic's own methods (no override of its own)."""
+    return all(getattr(cls, name) is getattr(BaseModel, name)
+               for name in ("model_copy", "__copy__", "__deepcopy__"))
+
+
+def _deep_model_copy(model: BaseModel) -> BaseModel:
+    """`model.model_copy(deep=True)`, the same objects in the result, in about a third
+    of the time: pydantic's own shallow copy, then one deepcopy (shared memo, as
+    pydantic's `model_copy(deep=True, update=...)` does) for each value that is not an
+    atom, where a request's ~100 fields are mostly None, numbers and strings."""
+    copied = model.model_copy()
+    memo: dict[int, Any] = {id(model): copied}
+    _deepcopy_values(copied.__dict__, memo)
+    if copied.__pydantic_extra__:
+        _deepcopy_values(copied.__pydantic_extra__, memo)
+    if copied.__pydantic_private__:
+        copied.__pydantic_private__ = copy.deepcopy(copied.__pydantic_private__, memo)
+    return copied
+
+
+def _deepcopy_values(values: dict[str, Any], memo: dict[int, Any]) -> None:
+    for name, value in values.items():
+        if type(value) not in _ATOMS:
+            values[name] = copy.deepcopy(value, memo)
 
 
 def _wrap_endpoint(original: Callable[..., Any], endpoint: str,
