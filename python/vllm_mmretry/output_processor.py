@@ -257,10 +257,12 @@ class OutputProcessor:
         once per kind of object, on the first request that has one)."""
         if "objects" in self._self_check_failed:
             return False
-        if len(self._objects_checked) == len(_OBJECT_KINDS):
+        checked = self._objects_checked
+        # The usual request: a state and a queue seen before, no parent (n = 1).
+        if "state" in checked and parent is None and (queue is None or "queue" in checked):
             return True
         new = {kind for kind, obj in zip(_OBJECT_KINDS, (state, parent, queue), strict=True)
-               if obj is not None and kind not in self._objects_checked}
+               if obj is not None and kind not in checked}
         if not new:
             return True
         why = _vllm.check_request_objects(state, parent if "parent" in new else None,
