@@ -258,8 +258,9 @@ class OutputProcessor:
         if "objects" in self._self_check_failed:
             return False
         checked = self._objects_checked
-        # The usual request: a state and a queue seen before, no parent (n = 1).
-        if "state" in checked and parent is None and (queue is None or "queue" in checked):
+        # The usual request: every kind of object it has was checked before.
+        if ("state" in checked and (parent is None or "parent" in checked)
+                and (queue is None or "queue" in checked)):
             return True
         new = {kind for kind, obj in zip(_OBJECT_KINDS, (state, parent, queue), strict=True)
                if obj is not None and kind not in checked}
