@@ -11,6 +11,8 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
   permsg/on  on request: the plugin with statistics recorded per engine-output message,
              as vLLM does (VLLM_MMRETRY_CATCHUP_RECORDS=0): what the catch-up records give
+  unmerged/on  on request: the plugin with the handler reading one waiting message at a
+             time (VLLM_MMRETRY_MERGE_WAITING=0): what the merged reads give
 Load: `vllm-rs bench serve`, streaming chat and streaming completions, random 32-token
 prompts, 256 output tokens each (--output-len; ignore_eos: the mock engine stops by length),
 closed loop at each concurrency with 4 x concurrency requests (--prompts-factor), and at least 256
@@ -78,9 +80,10 @@ PACED_CONCURRENCY = 256
 SPLIT_GAP_S = 0.001  # a longer gap between two events of one response splits it
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
-ALL_CONFIGS = ("stock/on", "plugin/on", "permsg/on", "rust/on", "stock/off", "plugin/off", "rust/off")
+ALL_CONFIGS = ("stock/on", "plugin/on", "permsg/on", "unmerged/on", "rust/on", "stock/off", "plugin/off", "rust/off")
 # Plugin configurations with one of its parts switched off (on request): what that part gives.
-PLUGIN_VARIANTS = {"permsg": {"VLLM_MMRETRY_CATCHUP_RECORDS": "0"}}
+PLUGIN_VARIANTS = {"permsg": {"VLLM_MMRETRY_CATCHUP_RECORDS": "0"},
+                   "unmerged": {"VLLM_MMRETRY_MERGE_WAITING": "0"}}
 DEFAULT_CONFIGS = ("stock/on", "plugin/on", "rust/on", "stock/off", "plugin/off")
 
 

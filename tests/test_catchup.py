@@ -338,22 +338,31 @@ async def run_side(start: Any, specs: list[Any], arrivals: list[float], plan: li
         vllm_stats.time, handler_module.time = saved
 
 
-@pytest.fixture
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def _set_chunk_size(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
     import vllm.envs as envs
 
-    monkeypatch.setenv("VLLM_V1_OUTPUT_PROC_CHUNK_SIZE", str(CHUNK))
+    monkeypatch.setenv("VLLM_V1_OUTPUT_PROC_CHUNK_SIZE", str(size))
     if envs._is_envs_cache_enabled():
         envs.__getattr__.cache_clear()
-    assert envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE == CHUNK
+    assert envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE == size
 
 
+@pytest.mark.parametrize("chunk", [CHUNK, 64], ids=["small_chunks", "roomy_chunks"])
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_same_outputs_aborts_and_statistics_as_vllms_handler(
         tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any], text_tokens: list[int],
-        small_chunks: None, data: st.DataObject) -> None:
+        monkeypatch: pytest.MonkeyPatch, chunk: int, data: st.DataObject) -> None:
+    """With small chunks big messages are chunked and small ones merged in twos; with
+    roomy ones the hooked handler reads most of a burst's messages as one (`Merged`), so
+    stop strings, misses and sibling aborts happen in the middle of a merged read."""
+    _set_chunk_size(monkeypatch, chunk)
+    same_as_vllms_handler(tiny_tokenizer, vllm_config, renderers, text_tokens, data)
+
+
+def same_as_vllms_handler(tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any],
+                          text_tokens: list[int], data: st.DataObject) -> None:
     specs = _specs(data, text_tokens)
     arrivals = [1000.0 + data.draw(st.floats(0.0, 1.0)) for _ in specs]
     probe = Side(OutputProcessor(tiny_tokenizer, log_stats=False), async_mode=True)
@@ -371,10 +380,11 @@ def test_same_outputs_aborts_and_statistics_as_vllms_handler(
 
 
 def test_a_catch_up_is_recorded_once(tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any],
-                                     text_tokens: list[int]) -> None:
+                                     text_tokens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """Forty messages waiting at once: one record for their iteration statistics
     (and one per message with scheduler statistics), the token histogram still
     observed once per message."""
+    _set_chunk_size(monkeypatch, 128)  # vLLM's default: all forty fit in one chunk
     async def run() -> tuple[Any, list[Any]]:
         served = Served(tiny_tokenizer, vllm_config, renderers[1])
         try:
@@ -392,6 +402,7 @@ def test_a_catch_up_is_recorded_once(tiny_tokenizer: Any, vllm_config: Any, rend
             served.close()
 
     catch_up, samples = asyncio.run(run())
+    assert (catch_up.merges, catch_up.merged_messages) == (1, 40)  # read as one message
     assert catch_up.messages == 40
     assert catch_up.records == 1 + 4  # the iteration part once, scheduler parts per message
     counts = {labels[1]: s[2] for name, labels, ss in samples if name == "vllm:iteration_tokens_total"
@@ -455,6 +466,35 @@ def test_a_render_during_a_catch_up_is_observed_as_stock_observes_it(
     engine0 = dict(want[0]["logging"][0])[repr(0)]
     queue = dict(dict(engine0[1])["mm_caching_metrics"][1])["query_queue"]
     assert queue == [["1", "2", "1"], ["1", "3", "2"]]  # the burst's, then the render's
+
+
+def test_a_stop_string_in_a_merged_read_is_aborted_before_the_rest_is_read(
+        tiny_tokenizer: Any, vllm_config: Any, renderers: list[Any], text_tokens: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request of three stops on a stop string in the middle of a burst of waiting
+    messages: the merged read ends after that message, whose abort goes to the engine
+    (its own message, as stock sends it) before the rest are read, merged again."""
+    from output_processor_support import ReqSpec
+
+    _set_chunk_size(monkeypatch, 128)  # the whole burst fits in one chunk
+
+    specs = [ReqSpec(request_id=f"s{i}", external_id=f"s{i}", prompt_ids=text_tokens[:3],
+                     stop=["zzz"] if i == 1 else None) for i in range(3)]
+    rids = [s.request_id for s in specs]
+    sched = (3, 0, 0.5, 2, 1)
+    plan = [{"mm": None, "messages": [plain_message(i, rids, text_tokens[i], sched=sched if i % 7 == 0 else None)
+                                      for i in range(len(text_tokens))]}]
+    catch_ups: list[Any] = []
+
+    def start(engine: Any) -> None:
+        catch_ups.append(ours_start(engine))
+
+    want, got = (asyncio.run(run_side(s, specs, [1000.0] * 3, plan, False, True, tiny_tokenizer, vllm_config, r))
+                 for s, r in ((stock_start(), renderers[0]), (start, renderers[1])))
+    assert got == want
+    assert len(want[0]["aborts"]) == 1  # the stop string's
+    (catch_up,) = catch_ups
+    assert catch_up.merges == 2 and catch_up.merged_messages == len(text_tokens)
 
 
 def plain_message(i: int, rids: list[str], token: int, engine: int = 0, sched: Any = None,

@@ -174,10 +174,17 @@ def test_native_decode_check_follows_its_switch(monkeypatch: pytest.MonkeyPatch)
 
 def test_catchup_records_check_follows_its_switch_and_vllms_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_mmretry import catchup, doctor
+    from vllm_mmretry.vllm_adapter.output_handler import MERGE_SWITCH
 
     monkeypatch.delenv(catchup.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(MERGE_SWITCH, raising=False)
     check = doctor.check_catchup_records()
     assert check.status == "ok" and "once per catch-up" in check.summary
+    assert "reads the messages waiting together" in check.summary
+    monkeypatch.setenv(MERGE_SWITCH, "0")
+    check = doctor.check_catchup_records()
+    assert check.status == "ok" and f"{MERGE_SWITCH}=0" in check.summary
+    monkeypatch.delenv(MERGE_SWITCH)
     # A vLLM whose stat logger source is not the one the handler was written against.
     kind = type(vllm_adapter.get())
     monkeypatch.setattr(kind, "HANDLER_DIGESTS", {**kind.HANDLER_DIGESTS, "PrometheusStatLogger.record": "0" * 16})

@@ -262,8 +262,13 @@ def check_catchup_records() -> Check:
                            "per engine-output message, as vLLM does")
     if isinstance(seam, Check):
         return seam
+    from vllm_mmretry.switches import switch_on
+    from vllm_mmretry.vllm_adapter.output_handler import MERGE_SWITCH
+
+    merged = ("; in a catch-up the handler reads the messages waiting together" if switch_on(MERGE_SWITCH)
+              else f"; {MERGE_SWITCH}=0: the handler reads one waiting message at a time")
     return Check("catchup_records", OK, "statistics are recorded once per catch-up of the output "
-                 "handler where the stat loggers are vLLM's defaults (same metrics and log line)")
+                 "handler where the stat loggers are vLLM's defaults (same metrics and log line)" + merged)
 
 
 def check_tokenizer(target: str | None, args: argparse.Namespace | None) -> Check:

@@ -19,6 +19,19 @@ between whose chunks the handler yields):
   lists are those of the messages' stats together;
 - the handler's `logger_ref[0]` (`_Recorder`) hands each message's record to `CatchUp`,
   which makes one `record` per engine when the catch-up ends.
+Within a catch-up the messages waiting behind the one the handler took are also read
+with it (`Merged`, unless VLLM_MMRETRY_MERGE_WAITING=0), while together they fit in one
+of the handler's chunks and come from its engine: the handler takes one message made of
+their outputs, and the output processor's `process_outputs` (this engine's instance)
+processes each message's outputs in turn with that message's own timestamp and weight
+version, and after each does what the handler does after a message (scheduler
+statistics, the record), as the next message's `IterationStats()` would begin it. A
+message whose processing asks for aborts ends the merge there: the messages after it go
+back first in the queue, so the handler sends that message's aborts, then its
+statistics, before it reads on, as in stock. The handler did not yield between those
+messages in stock either (it yields only between chunks and when it waits), so nothing
+else can see the difference; what it saves is the handler's per-message Python, most
+of the API server's work per message when the engine sends many small messages.
 That leaves the stat loggers what the per-message calls leave, because for vLLM's own
 loggers a record is sums, list observations and last values, with one exception: the
 Prometheus logger observes each iteration's token count (`vllm:iteration_tokens_total`),
@@ -34,18 +47,21 @@ version lists them). Otherwise vLLM's handler runs unhooked (catchup.py says why
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import hashlib
 import inspect
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import vllm.envs as envs
-from vllm.v1.engine import async_llm
+from vllm.v1.engine import EngineCoreOutputs, async_llm
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.metrics.loggers import (
@@ -58,6 +74,9 @@ from vllm.v1.metrics.loggers import (
 from vllm.v1.metrics.stats import IterationStats, PromptTokenStats
 
 from vllm_mmretry import _patching
+from vllm_mmretry.switches import switch_on
+
+MERGE_SWITCH = "VLLM_MMRETRY_MERGE_WAITING"
 
 
 # The vLLM code whose behaviour the hooks and `CatchUp` rely on, by name (the
@@ -154,6 +173,8 @@ class CatchUp:
         self._fresh: dict[type, Any] = {}  # one new statistics object per class
         self.records = 0  # record calls made (each stands for one or more messages')
         self.messages = 0  # messages whose statistics went through here
+        self.merges = 0  # merged reads (`Merged`) the handler took
+        self.merged_messages = 0  # messages processed in them
 
     def stats_for(self, engine_idx: int) -> Any:
         """The IterationStats of the next message from `engine_idx` (its own timestamp,
@@ -241,7 +262,8 @@ class _Run:
     """One handler's catch-up state: whether the message it works on has its
     statistics recorded with the catch-up's (`coalesced`), and from which engine."""
 
-    __slots__ = ("active", "catch_up", "chunk_size", "coalesced", "engine_idx", "logger_ref", "recorder")
+    __slots__ = ("active", "catch_up", "chunk_size", "coalesced", "engine_idx", "logger_ref", "merged",
+                 "recorder")
 
     def __init__(self, catch_up: CatchUp, logger_ref: list[Any], chunk_size: int) -> None:
         self.active = True  # until the handler's task is done
@@ -250,6 +272,7 @@ class _Run:
         self.chunk_size = chunk_size
         self.coalesced = False
         self.engine_idx = 0
+        self.merged: Merged | None = None  # the merged message the handler holds, if any
         self.recorder = _Recorder(self)
 
     def took(self, outputs: Any) -> None:
@@ -311,7 +334,10 @@ def start_with_catch_up(engine: Any, start: Callable[[Any], None]) -> CatchUp:
     catch_up = CatchUp(engine.logger_manager)
     run = _Run(catch_up, engine._logger_ref, envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE)
     engine._logger_ref[0] = run.recorder
-    read_with_catch_up(engine.engine_core, run)
+    waiting = waiting_items(engine.engine_core.outputs_queue) if switch_on(MERGE_SWITCH) else None
+    if waiting is not None:
+        process_merged(engine, run, waiting)
+    read_with_catch_up(engine.engine_core, run, waiting)
     engine.output_handler.add_done_callback(functools.partial(_ended, run))
     return catch_up
 
@@ -320,12 +346,16 @@ def _ended(run: _Run, _task: Any) -> None:
     run.active = False
 
 
-def read_with_catch_up(client: Any, run: _Run) -> None:
+def read_with_catch_up(client: Any, run: _Run, waiting: deque[Any] | None = None) -> None:
     """Give `client` (this instance only) a `get_output_async` that ends the catch-up
     when nothing waits and tells `run` what the handler took. It reads through what
     the handler would have called: a wrapper someone put on this instance (the last
-    handler's hook passes through once that handler is done), else vLLM's method."""
+    handler's hook passes through once that handler is done), else vLLM's method.
+    With `waiting` (the queue's items) and no such wrapper, which every message would
+    have to pass, the messages waiting behind the one taken are merged with it."""
     own = vars(client).get("get_output_async")
+    if own is not None:
+        waiting = None
     read = type(client).get_output_async
     queue = client.outputs_queue
     # Through a weak reference: the client's own attribute must not keep it alive
@@ -347,9 +377,109 @@ def read_with_catch_up(client: Any, run: _Run) -> None:
             run.catch_up.record()  # what stock had recorded by now
             raise
         run.took(outputs)
+        if waiting and run.coalesced:
+            return merge_waiting(outputs, queue, waiting, run)
         return outputs
 
     client.get_output_async = get_output_async
+
+
+def waiting_items(queue: Any) -> deque[Any] | None:
+    """The items of the client's output queue, which the merge reads ahead in (an
+    `asyncio.Queue` keeps them in its deque `_queue`); None for any other queue."""
+    items = getattr(queue, "_queue", None)
+    return items if type(queue) is asyncio.Queue and type(items) is deque else None
+
+
+class Merged:
+    """Messages the handler takes as one (`message`): their outputs, in order, and a
+    timestamp of its own by which `process_outputs` knows it."""
+
+    __slots__ = ("message", "messages", "token")
+
+    def __init__(self, messages: list[Any]) -> None:
+        first = messages[0]
+        self.messages = messages
+        # A float object no message has: `process_outputs` gets it by identity.
+        self.token = first.timestamp + 0.0
+        outputs = [eco for msg in messages for eco in msg.outputs]
+        self.message = msgspec.structs.replace(first, outputs=outputs, timestamp=self.token)
+
+
+def merge_waiting(first: Any, queue: asyncio.Queue[Any], waiting: deque[Any], run: _Run) -> Any:
+    """`first`, or one message made of it and the engine-output messages waiting right
+    behind it that fit with it in one chunk and come from its engine."""
+    if type(first) is not EngineCoreOutputs or not first.outputs or type(first.timestamp) is not float:
+        return first
+    engine, room = first.engine_index, run.chunk_size - len(first.outputs)
+    messages = [first]
+    while waiting:
+        nxt = waiting[0]
+        if (type(nxt) is not EngineCoreOutputs or nxt.engine_index != engine or not nxt.outputs
+                or len(nxt.outputs) > room or type(nxt.timestamp) is not float):
+            break
+        messages.append(queue.get_nowait())
+        room -= len(nxt.outputs)
+    if len(messages) == 1:
+        return first
+    run.merged = Merged(messages)
+    run.catch_up.merges += 1
+    run.catch_up.merged_messages += len(messages)
+    return run.merged.message
+
+
+def process_merged(engine: Any, run: _Run, waiting: deque[Any]) -> None:
+    """Give the engine's output processor (this instance) a `process_outputs` that
+    processes a merged message as its messages, one after the other."""
+    processor = engine.output_processor
+    inner = processor.process_outputs
+    renderer = engine.renderer
+
+    def process_outputs(outputs: Any, timestamp: Any = None, iteration_stats: Any = None,
+                        *args: Any, **kwargs: Any) -> Any:
+        merged = run.merged
+        if merged is None or timestamp is not merged.token:
+            return inner(outputs, timestamp, iteration_stats, *args, **kwargs)
+        run.merged = None
+        return _process_each(merged, inner, iteration_stats, processor, renderer, waiting, run)
+
+    processor.process_outputs = process_outputs
+
+
+def _process_each(merged: Merged, inner: Callable[..., Any], iteration_stats: Any, processor: Any,
+                  renderer: Any, waiting: deque[Any], run: _Run) -> Any:
+    """Each merged message's outputs, then what the handler does after a message; the
+    handler does that for the last one processed, which this makes the merged
+    message's. A message with aborts (or an error) ends it: the rest go back."""
+    messages = merged.messages
+    earlier: list[Any] = []  # request outputs of the messages before (LLMEngine's kind)
+    for i, msg in enumerate(messages):
+        if i:
+            run.catch_up.stats_for(msg.engine_index)  # the message's IterationStats()
+        try:
+            result = inner(msg.outputs, msg.timestamp, iteration_stats, weight_version=msg.weight_version)
+        except BaseException:
+            _put_back(waiting, messages[i + 1:], run)
+            raise
+        if result.reqs_to_abort or i == len(messages) - 1:
+            _put_back(waiting, messages[i + 1:], run)
+            merged.message.scheduler_stats = msg.scheduler_stats
+            if earlier:
+                result.request_outputs[:0] = earlier
+            return result
+        earlier.extend(result.request_outputs)
+        # The handler's steps after a message (async_llm.AsyncLLM._run_output_handler).
+        processor.update_scheduler_stats(msg.scheduler_stats)
+        if run.logger_ref[0]:
+            run.logger_ref[0].record(engine_idx=msg.engine_index, scheduler_stats=msg.scheduler_stats,
+                                     iteration_stats=iteration_stats, mm_cache_stats=renderer.stat_mm_cache())
+    raise AssertionError("unreachable: the last message returns")
+
+
+def _put_back(waiting: deque[Any], messages: list[Any], run: _Run) -> None:
+    """Messages taken from the queue and not processed, first in line again."""
+    waiting.extendleft(reversed(messages))
+    run.catch_up.merged_messages -= len(messages)
 
 
 def handler_why_not(engine: Any) -> str | None:
