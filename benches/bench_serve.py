@@ -339,19 +339,20 @@ def call_times_of(before: dict[str, Any], after: dict[str, Any], num_prompts: in
         _, _, secs = delta.get(name, [0, 0, 0.0])
         out[f"{label}_us_per_msg"] = 1e6 * secs / msgs if msgs else 0.0
         out[f"{label}_cpu_share"] = secs / cpu if cpu else 0.0
-    out.update(output_queue_of(delta.get("output_queue"), num_prompts))
+    out.update(output_queue_of(delta.get("output_queue"), num_prompts, msgs))
     return out
 
 
-def output_queue_of(counts: list[float] | None, num_prompts: int) -> dict[str, float]:
+def output_queue_of(counts: list[float] | None, num_prompts: int, msgs: float) -> dict[str, float]:
     """What vLLM's output handler found waiting when it asked for the next message:
     the mean backlog, and per catch-up (an ask that found nothing waiting) how many
-    messages it had worked through and how many requests the run completed."""
+    of the run's `msgs` messages it had worked through (the plugin's handler takes the
+    messages waiting behind one in the same ask) and how many requests the run completed."""
     if not counts or not counts[0]:
         return {}
     asks, waiting, caught_up = counts
     return {"backlog_msgs": waiting / asks,
-            "msgs_per_catch_up": asks / caught_up if caught_up else float(asks),
+            "msgs_per_catch_up": msgs / caught_up if caught_up else float(msgs),
             "reqs_per_catch_up": num_prompts / caught_up if caught_up else float(num_prompts)}
 
 
