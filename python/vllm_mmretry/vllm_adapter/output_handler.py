@@ -21,7 +21,8 @@ between whose chunks the handler yields):
   which makes one `record` per engine when the catch-up ends.
 Within a catch-up the messages waiting behind the one the handler took are also read
 with it (`Merged`, unless VLLM_MMRETRY_MERGE_WAITING=0), while together they fit in one
-of the handler's chunks and come from its engine: the handler takes one message made of
+of the handler's chunks, come from its engine and (but the first) report no missed
+multimodal items: the handler takes one message made of
 their outputs, and the output processor's `process_outputs` (this engine's instance)
 processes each message's outputs in turn with that message's own timestamp and weight
 version, and after each does what the handler does after a message (scheduler
