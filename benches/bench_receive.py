@@ -12,25 +12,33 @@ pays per waiting message (the thread's copy runs on another core). Prints one JS
 line: µs per message, medians, and the median of the paired ratios (pyzmq over
 ready-first, ready-first over native) with their 10th and 90th percentiles.
 
+The `awaited_` fields time the whole receive as vLLM's output task makes it, `await
+sock.recv_multipart(copy=False)` on a zmq.asyncio socket in uvloop's event loop (as
+`vllm serve` runs), pyzmq's against the ready-first socket's, which hands a waiting
+message over in a `receive.Received` instead of an asyncio Future.
+
     .venv/bin/python benches/bench_receive.py [--blocks 60] [--per-block 2000]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+import uvloop
 import zmq
+import zmq.asyncio
 from paired import paired_ratios, taking_turns
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackEncoder
 
 from vllm_mmretry import _core
-from vllm_mmretry.receive import frames_of_message, loaded_libzmq
+from vllm_mmretry.receive import frames_of_message, loaded_libzmq, make_ready_first
 
 NONBLOCK = int(zmq.NOBLOCK)
 
@@ -91,6 +99,45 @@ def socket_pair(ctx: zmq.Context[Any], name: str) -> tuple[zmq.Socket[Any], zmq.
     return push, pull
 
 
+async def awaited_block(push: zmq.Socket[Any], pull: zmq.asyncio.Socket, frames: list[Any], n: int) -> float:
+    """Seconds per message to await `n` waiting messages as vLLM's output task does."""
+    for _ in range(n):
+        push.send_multipart(frames, copy=False)
+    while not pull.poll(0):  # inproc: the messages are there once the first is
+        await asyncio.sleep(0)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await pull.recv_multipart(copy=False)
+    return (time.perf_counter() - t0) / n
+
+
+async def awaited_times(blocks: int, per_block: int, frames: list[Any]) -> dict[str, list[float]]:
+    """pyzmq's awaited receive and the ready-first socket's, taking turns in blocks."""
+    actx = zmq.asyncio.Context()
+    ctx = zmq.Context.shadow(actx.underlying)
+    sockets: dict[str, tuple[zmq.Socket[Any], zmq.asyncio.Socket]] = {}
+    for name in ("pyzmq", "ready_first"):
+        push, pull = ctx.socket(zmq.PUSH), actx.socket(zmq.PULL)
+        for s in (push, pull):
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+        pull.bind(f"inproc://bench-awaited-{name}")
+        push.connect(f"inproc://bench-awaited-{name}")
+        sockets[name] = (push, pull)
+    make_ready_first(sockets["ready_first"][1])
+    times: dict[str, list[float]] = {name: [] for name in sockets}
+    try:
+        for block in range(blocks):
+            for name in taking_turns(list(sockets), block):
+                times[name].append(await awaited_block(*sockets[name], frames, per_block))
+    finally:
+        for push, pull in sockets.values():
+            push.close(linger=0)
+            pull.close(linger=0)
+        actx.term()
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=60)
@@ -114,6 +161,7 @@ def main() -> None:
             sender, reader, read = sides[name]
             times[name].append(timed_block(sender, reader, frames, args.per_block, read))
     native = paired_ratios(times["ready_first"], times["native"])
+    awaited = uvloop.run(awaited_times(args.blocks, args.per_block, frames))
     print(json.dumps({
         "frames_per_message": len(frames),
         "pyzmq_us": round(statistics.median(times["pyzmq"]) * 1e6, 3),
@@ -121,6 +169,9 @@ def main() -> None:
         "native_thread_us": round(statistics.median(times["native"]) * 1e6, 3),
         **paired_ratios(times["pyzmq"], times["ready_first"]),
         **{f"native_{k}": v for k, v in native.items()},
+        "awaited_pyzmq_us": round(statistics.median(awaited["pyzmq"]) * 1e6, 3),
+        "awaited_ready_first_us": round(statistics.median(awaited["ready_first"]) * 1e6, 3),
+        **{f"awaited_{k}": v for k, v in paired_ratios(awaited["pyzmq"], awaited["ready_first"]).items()},
         "blocks": args.blocks, "per_block": args.per_block,
     }))
     receiver.stop()

@@ -301,6 +301,67 @@ def test_waiting_messages_are_taken_without_pyzmq_futures() -> None:
     assert ours["waits"] <= 3
 
 
+async def what_asyncio_makes_of_a_waiting_receive(prepare: Any) -> dict[str, Any]:
+    """One waiting message's receive, after `prepare(pull)`, through each of asyncio's
+    ways of taking a Future; the answers that show a done Future."""
+    ctx = zmq.asyncio.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    address = f"inproc://asyncio-{next(_addresses)}"
+    pull.bind(address)
+    push.connect(address)
+    if prepare is not None:
+        prepare(pull)
+
+    async def waiting_receive() -> Any:
+        await push.send(b"m")
+        for _ in range(200):  # until pyzmq would answer with a done Future too
+            if pull.poll(0):
+                break
+            await asyncio.sleep(0.005)
+        return pull.recv_multipart()
+
+    async def others_ran_during_await() -> bool:
+        ran = []
+        asyncio.get_running_loop().call_soon(ran.append, 1)
+        await (await waiting_receive())
+        return bool(ran)
+
+    try:
+        got: dict[str, Any] = {}
+        received = await waiting_receive()
+        got["isfuture"] = asyncio.isfuture(received)
+        got["done"] = (received.done(), received.cancelled(), received.exception())
+        got["cancel"] = (received.cancel(), received.result())
+        got["ensure_future is it"] = asyncio.ensure_future(received) is received
+        got["wait_for 0"] = await asyncio.wait_for(await waiting_receive(), 0)
+        got["wait_for 10"] = await asyncio.wait_for(await waiting_receive(), 10)
+        got["gather"] = await asyncio.gather(await waiting_receive())
+        got["shield"] = await asyncio.shield(await waiting_receive())
+        done, _ = await asyncio.wait({await waiting_receive()})
+        got["wait"] = [d.result() for d in done]
+        called: list[Any] = []
+        callback_of = await waiting_receive()
+        callback_of.add_done_callback(called.append)
+        await asyncio.sleep(0)
+        got["callback"] = called == [callback_of]
+        got["await yields"] = await others_ran_during_await()
+        return got
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_a_waiting_receive_is_a_done_future_to_asyncio() -> None:
+    """pyzmq answers a receive whose message waits with a done Future; ours with a
+    `Received`, which every asyncio way of taking a Future takes the same way."""
+    stock = asyncio.run(what_asyncio_makes_of_a_waiting_receive(None))
+    ours = asyncio.run(what_asyncio_makes_of_a_waiting_receive(receive.make_ready_first))
+    assert ours == stock
+    assert stock["isfuture"] and stock["cancel"] == (False, [b"m"]) and stock["gather"] == [[b"m"]]
+    assert stock["await yields"] is False
+
+
 # Multipart messages of raw frames (empty ones included).
 multipart_st = st.lists(st.lists(st.binary(max_size=40), min_size=1, max_size=4), min_size=1, max_size=6)
 

@@ -9,11 +9,11 @@ engine is ahead of the front end that is about a sixth of the API server's sampl
 
 Before that task starts, the `recv_multipart` of its socket (that instance only) is
 replaced by one that takes a message already waiting with a non-blocking receive
-(handed over in a done Future) and otherwise returns pyzmq's own `recv_multipart`
-Future. The task gets the same frames in the same order, and a receive cancelled as
-its message comes in keeps the message as pyzmq's does. Scheduling does not change:
-when a message is waiting pyzmq returns an already-completed Future, whose `await`
-does not yield to the event loop either. A
+(handed over in a `Received`, which asyncio takes for a done Future) and otherwise
+returns pyzmq's own `recv_multipart` Future. The task gets the same frames in the
+same order, and a receive cancelled as its message comes in keeps the message as
+pyzmq's does. Scheduling does not change: when a message is waiting pyzmq returns an
+already-completed Future, whose `await` does not yield to the event loop either. A
 waiting message read with `copy=False` (vLLM's) is read frame by frame, each frame
 saying whether another follows (`frames_of_message`).
 
@@ -43,7 +43,7 @@ import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import zmq
@@ -214,8 +214,8 @@ def make_ready_first(sock: zmq.asyncio.Socket) -> None:
         if not sock.closed:
             try:
                 if copy:
-                    return _ready(shadow.recv_multipart(flags | nonblocking, copy=True, track=track))
-                return _ready(frames_of_message(shadow, flags | nonblocking, track))
+                    return Received(shadow.recv_multipart(flags | nonblocking, copy=True, track=track))
+                return Received(frames_of_message(shadow, flags | nonblocking, track))
             except again:
                 pass
         return awaited(flags, copy=copy, track=track)
@@ -224,12 +224,52 @@ def make_ready_first(sock: zmq.asyncio.Socket) -> None:
     sock.recv_multipart = recv_multipart  # type: ignore[method-assign]
 
 
-def _ready(message: Any) -> asyncio.Future[Any]:
-    """A message already read, as pyzmq gives one that waits: a done Future (awaiting
-    it does not yield, and a caller that cancels it still finds the message)."""
-    future = asyncio.get_running_loop().create_future()
-    future.set_result(message)
-    return future
+class Received:
+    """A message already read, as pyzmq gives one that waits: a done Future to asyncio
+    (awaiting it does not yield; `ensure_future`, `wait_for`, `gather` and `shield` take
+    it as it is; a caller that cancels it still finds the message), without building one.
+    An asyncio Future asks for the running loop, and on Python 3.11
+    `asyncio.get_running_loop()` makes a getpid() system call each time: making and
+    completing one cost about 1 µs a message here, this object a third of that
+    (benches/bench_receive.py). The loop is only looked up by the calls that need it."""
+
+    __slots__ = ("_message",)
+    # What `asyncio.isfuture` looks for; False: awaiting it never suspends.
+    _asyncio_future_blocking = False
+
+    def __init__(self, message: Any) -> None:
+        self._message = message
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._message
+        yield  # a generator that returns at once: `await` gets the message without yielding
+
+    __iter__ = __await__
+
+    def result(self) -> Any:
+        return self._message
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False  # done: the message stays, as with a done Future
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def add_done_callback(self, fn: Callable[[Any], object], *, context: Any = None) -> None:
+        # A done Future schedules the callback at once.
+        self.get_loop().call_soon(fn, self, context=context)
+
+    def remove_done_callback(self, fn: Callable[[Any], object]) -> int:
+        return 0  # a scheduled callback of a done Future is no longer listed
 
 
 def frames_of_message(shadow: zmq.Socket[Any], flags: int, track: bool) -> list[zmq.Frame]:
