@@ -127,6 +127,10 @@ async def awaited_times(blocks: int, per_block: int, frames: list[Any]) -> dict[
     make_ready_first(sockets["ready_first"][1])
     times: dict[str, list[float]] = {name: [] for name in sockets}
     try:
+        for push, pull in sockets.values():  # every side reads the frames sent
+            push.send_multipart(frames, copy=False)
+            got = await pull.recv_multipart(copy=False)
+            assert [bytes(f) for f in got] == [bytes(f) for f in frames], got
         for block in range(blocks):
             for name in taking_turns(list(sockets), block):
                 times[name].append(await awaited_block(*sockets[name], frames, per_block))

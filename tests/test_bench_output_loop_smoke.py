@@ -70,13 +70,14 @@ def test_bench_record_runs_both_loggers(multiprocess: bool, tmp_path: pathlib.Pa
 
 def test_bench_receive_reads_all_three_ways() -> None:
     """benches/bench_receive.py at a small size: pyzmq, ready-first and the native thread
-    read vLLM's message, a row comes out."""
+    read vLLM's message (also awaited, as vLLM's output task does), a row comes out."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "bench_receive.py"), "--blocks", "4", "--per-block", "50"],
         capture_output=True, text=True, timeout=600, check=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["frames_per_message"] == 1
     assert row["pyzmq_us"] > 0 and row["ready_first_us"] > 0 and row["native_thread_us"] > 0
-    for key in ("ratio", "native_ratio"):
+    assert row["awaited_pyzmq_us"] > 0 and row["awaited_ready_first_us"] > 0
+    for key in ("ratio", "native_ratio", "awaited_ratio"):
         lo, hi = row[f"{key}_p10_p90"]
         assert 0 < lo <= row[key] <= hi
