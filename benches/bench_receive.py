@@ -89,8 +89,9 @@ def sent_and_read(push: zmq.Socket[Any], pull: Any, read: Callable[[Any], Any],
     return read(pull)
 
 
-def socket_pair(ctx: zmq.Context[Any], name: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+def socket_pair(ctx: zmq.Context[Any], name: str, pull_ctx: Any = None) -> tuple[zmq.Socket[Any], Any]:
+    """A PUSH/PULL pair without high-water marks; the PULL from `pull_ctx` if given."""
+    push, pull = ctx.socket(zmq.PUSH), (pull_ctx or ctx).socket(zmq.PULL)
     for s in (push, pull):
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.RCVHWM, 0)
@@ -115,15 +116,7 @@ async def awaited_times(blocks: int, per_block: int, frames: list[Any]) -> dict[
     """pyzmq's awaited receive and the ready-first socket's, taking turns in blocks."""
     actx = zmq.asyncio.Context()
     ctx = zmq.Context.shadow(actx.underlying)
-    sockets: dict[str, tuple[zmq.Socket[Any], zmq.asyncio.Socket]] = {}
-    for name in ("pyzmq", "ready_first"):
-        push, pull = ctx.socket(zmq.PUSH), actx.socket(zmq.PULL)
-        for s in (push, pull):
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
-        pull.bind(f"inproc://bench-awaited-{name}")
-        push.connect(f"inproc://bench-awaited-{name}")
-        sockets[name] = (push, pull)
+    sockets = {name: socket_pair(ctx, f"bench-awaited-{name}", actx) for name in ("pyzmq", "ready_first")}
     make_ready_first(sockets["ready_first"][1])
     times: dict[str, list[float]] = {name: [] for name in sockets}
     try:

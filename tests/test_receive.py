@@ -301,16 +301,22 @@ def test_waiting_messages_are_taken_without_pyzmq_futures() -> None:
     assert ours["waits"] <= 3
 
 
-async def what_asyncio_makes_of_a_waiting_receive(prepare: Any) -> dict[str, Any]:
-    """One waiting message's receive, after `prepare(pull)`, through each of asyncio's
-    ways of taking a Future; the answers that show a done Future."""
+def prepared_pair(kind: str, prepare: Any) -> tuple[zmq.asyncio.Context, Any, Any]:
+    """A new asyncio context with a connected inproc PUSH/PULL pair, `prepare(pull)` done."""
     ctx = zmq.asyncio.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    address = f"inproc://asyncio-{next(_addresses)}"
+    address = f"inproc://{kind}-{next(_addresses)}"
     pull.bind(address)
     push.connect(address)
     if prepare is not None:
         prepare(pull)
+    return ctx, push, pull
+
+
+async def what_asyncio_makes_of_a_waiting_receive(prepare: Any) -> dict[str, Any]:
+    """One waiting message's receive, after `prepare(pull)`, through each of asyncio's
+    ways of taking a Future; the answers that show a done Future."""
+    ctx, push, pull = prepared_pair("asyncio", prepare)
 
     async def waiting_receive() -> Any:
         await push.send(b"m")
@@ -446,13 +452,7 @@ async def frames_read(messages: list[list[bytes]], copy: bool, track: bool,
     """`messages` sent on a fresh socket pair, then read with `recv_multipart(copy,
     track)` after `prepare(pull)`; with `late`, one more message sent and read after
     them. Each message as (type name, bytes) per frame."""
-    ctx = zmq.asyncio.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    address = f"inproc://frames-{next(_addresses)}"
-    pull.bind(address)
-    push.connect(address)
-    if prepare is not None:
-        prepare(pull)
+    ctx, push, pull = prepared_pair("frames", prepare)
     try:
         for message in messages:
             await push.send_multipart(message)
