@@ -41,6 +41,13 @@ CONFIGS = {"stock/on": "0", "plugin/on": "1"}
 KEYS = ("req_s", "ttft_p99", "itl_p99", "e2el_p99", "cpu_per_1k", "split_pct")
 
 
+# With the real engine a response takes seconds, and the load generator's pooled
+# connection can sit idle for uvicorn's 5 s keep-alive: the server closes it as the
+# client sends on it ("error sending request", one request lost in a CI run). Both front
+# ends get the same longer keep-alive; it changes no request's work.
+HTTP_ENV = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "120"}
+
+
 def frontend_of(name: str, server: servers.Server) -> bench_serve.Frontend:
     """bench_serve's view of a server: where it listens, its log, its API process."""
     port = int(server.base_url.rsplit(":", 1)[1])
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         fes = {name: frontend_of(name, stack.enter_context(servers.serve(
-                   model, *ENGINE_ARGS, env={"VLLM_MMRETRY": flag}, tiny_defaults=False)))
+                   model, *ENGINE_ARGS, env={"VLLM_MMRETRY": flag, **HTTP_ENV}, tiny_defaults=False)))
                for name, flag in CONFIGS.items()}
         bench_serve.check_plugin_state(fes, bench_serve.installed_vllm_version())
         work = pathlib.Path(tmp)
