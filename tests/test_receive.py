@@ -10,12 +10,13 @@ message streams sent in bursts (messages waiting) and one by one (the task waiti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -301,22 +302,28 @@ def test_waiting_messages_are_taken_without_pyzmq_futures() -> None:
     assert ours["waits"] <= 3
 
 
-def prepared_pair(kind: str, prepare: Any) -> tuple[zmq.asyncio.Context, Any, Any]:
-    """A new asyncio context with a connected inproc PUSH/PULL pair, `prepare(pull)` done."""
+@contextlib.contextmanager
+def prepared_pair(kind: str, prepare: Any) -> Iterator[tuple[Any, Any]]:
+    """A connected inproc PUSH/PULL pair on a new asyncio context, `prepare(pull)` done;
+    both closed and the context ended on the way out."""
     ctx = zmq.asyncio.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    address = f"inproc://{kind}-{next(_addresses)}"
-    pull.bind(address)
-    push.connect(address)
-    if prepare is not None:
-        prepare(pull)
-    return ctx, push, pull
+    try:
+        address = f"inproc://{kind}-{next(_addresses)}"
+        pull.bind(address)
+        push.connect(address)
+        if prepare is not None:
+            prepare(pull)
+        yield push, pull
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
 
 
 async def what_asyncio_makes_of_a_waiting_receive(prepare: Any) -> dict[str, Any]:
     """One waiting message's receive, after `prepare(pull)`, through each of asyncio's
     ways of taking a Future; the answers that show a done Future."""
-    ctx, push, pull = prepared_pair("asyncio", prepare)
 
     async def waiting_receive() -> Any:
         await push.send(b"m")
@@ -332,7 +339,7 @@ async def what_asyncio_makes_of_a_waiting_receive(prepare: Any) -> dict[str, Any
         await (await waiting_receive())
         return bool(ran)
 
-    try:
+    with prepared_pair("asyncio", prepare) as (push, pull):
         got: dict[str, Any] = {}
         received = await waiting_receive()
         got["isfuture"] = asyncio.isfuture(received)
@@ -352,10 +359,6 @@ async def what_asyncio_makes_of_a_waiting_receive(prepare: Any) -> dict[str, Any
         got["callback"] = called == [callback_of]
         got["await yields"] = await others_ran_during_await()
         return got
-    finally:
-        push.close(linger=0)
-        pull.close(linger=0)
-        ctx.term()
 
 
 def test_a_waiting_receive_is_a_done_future_to_asyncio() -> None:
@@ -452,8 +455,7 @@ async def frames_read(messages: list[list[bytes]], copy: bool, track: bool,
     """`messages` sent on a fresh socket pair, then read with `recv_multipart(copy,
     track)` after `prepare(pull)`; with `late`, one more message sent and read after
     them. Each message as (type name, bytes) per frame."""
-    ctx, push, pull = prepared_pair("frames", prepare)
-    try:
+    with prepared_pair("frames", prepare) as (push, pull):
         for message in messages:
             await push.send_multipart(message)
         got = [await asyncio.wait_for(pull.recv_multipart(copy=copy, track=track), 10)
@@ -462,10 +464,6 @@ async def frames_read(messages: list[list[bytes]], copy: bool, track: bool,
             await push.send_multipart([b"late"])
             got.append(await asyncio.wait_for(pull.recv_multipart(copy=copy, track=track), 10))
         return [[(type(part).__name__, bytes(part)) for part in parts] for parts in got]
-    finally:
-        push.close(linger=0)
-        pull.close(linger=0)
-        ctx.term()
 
 
 def test_the_installed_starter_makes_the_socket_ready_first() -> None:
