@@ -8,6 +8,7 @@ this plugin through its entry point, in every process."""
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 import sys
@@ -44,7 +45,12 @@ def _doctor(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from vllm_mmretry import doctor
 
-    return doctor.main(argv)
+    status = doctor.main(argv)
+    # The report is out. Python's last collection at exit walks every object vLLM,
+    # torch and transformers made (about 2 s here); frozen ones are skipped. Atexit
+    # handlers and module teardown still run.
+    gc.freeze()
+    return status
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process; guard the entry
