@@ -34,6 +34,9 @@ median of their longest gaps (what a closed-loop ITL p99 is made of: split_respo
 API-server CPU seconds per 1,000 output tokens (utime+stime of the API server process, all threads, from /proc over the
 whole load run); `vs_stock`: this row's requests/s over stock's with the same statistics
 setting in the same repeat, median and min-max over the repeats.
+accept wait: how long connections waited in the kernel's queue for the front end to accept
+them during the run (sampled every 50 ms; a closed loop's first wave opens them all at
+once: accept_queue_sampled()), with the most that waited at once (`accept_peak`).
 Prints a table; then each row's latency beside stock's (p99s with their min-max, and in how
 many repeats the row was at or below stock's p99 of the same repeat); then one JSON line per
 row, then the elapsed time.
@@ -59,6 +62,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -78,6 +82,7 @@ PROMPT_LEN, OUTPUT_LEN = 32, 256
 # Open-loop runs: a cap on requests in flight that a run below saturation never reaches.
 PACED_CONCURRENCY = 256
 SPLIT_GAP_S = 0.001  # a longer gap between two events of one response splits it
+ACCEPT_SAMPLE_S = 0.05  # how often a load run reads the front end's accept queue
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
 ALL_CONFIGS = ("stock/on", "plugin/on", "permsg/on", "unmerged/on", "rust/on", "stock/off", "plugin/off", "rust/off")
@@ -127,16 +132,52 @@ def cpu_seconds(pid: int) -> float:
     return stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
-def is_listening(port: int) -> bool:
-    """True when some process has a TCP socket in LISTEN state on 127.0.0.1/0.0.0.0:port
-    (read from /proc, so the front end's ZMQ socket never sees a stray connection)."""
+def listen_queue(port: int) -> int | None:
+    """Connections waiting to be accepted on the TCP socket that LISTENs on port (IPv4 or
+    IPv6, any address), read from /proc; None when nothing listens there. For a LISTEN
+    socket the kernel reports its accept queue in the rx_queue column."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
                 if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                    return True
-    return False
+                    return int(cols[4].split(":")[1], 16)
+    return None
+
+
+def is_listening(port: int) -> bool:
+    """True when some process has a TCP socket in LISTEN state on 127.0.0.1/0.0.0.0:port
+    (read from /proc, so the front end's ZMQ socket never sees a stray connection)."""
+    return listen_queue(port) is not None
+
+
+@contextlib.contextmanager
+def accept_queue_sampled(port: int, every_s: float = ACCEPT_SAMPLE_S) -> Iterator[dict[str, float]]:
+    """Sample the front end's accept queue while the block runs; afterwards the dict holds
+    `accept_wait_s` (how long connections were waiting to be accepted, to the sampling
+    interval) and `accept_peak` (the most that waited at once).
+
+    A closed-loop run opens `concurrency` connections at once. vLLM's API server runs on
+    uvloop, whose libuv accepts one connection per event-loop iteration (libuv PR #3696),
+    so under load the last of them waits in the kernel's queue for as many iterations:
+    that wait is the first wave's share of the row's TTFT p99."""
+    stop = threading.Event()
+    waiting: list[int] = []
+
+    def sample() -> None:
+        while not stop.wait(every_s):
+            waiting.append(listen_queue(port) or 0)
+
+    thread = threading.Thread(target=sample, name="accept-queue", daemon=True)
+    found: dict[str, float] = {}
+    thread.start()
+    try:
+        yield found
+    finally:
+        stop.set()
+        thread.join()
+        found["accept_wait_s"] = every_s * sum(1 for n in waiting if n)
+        found["accept_peak"] = float(max(waiting, default=0))
 
 
 def wait_for(check: Any, what: str, timeout: float, fe: Frontend) -> None:
@@ -296,12 +337,14 @@ def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency:
     cmd = bench_cmd(tools, fe, model, endpoint, concurrency, num_prompts, result, seed, rate, output_len)
     calls0 = call_snapshot(fe)
     cpu0 = cpu_seconds(fe.api_pid)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
+    with accept_queue_sampled(fe.port) as accepts:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
     cpu = cpu_seconds(fe.api_pid) - cpu0
     if out.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm-rs bench serve failed ({out.returncode}) on {fe.name}:\n"
                            f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}\nserver log:\n{tail(fe.log_path)}")
     m = measurements(json.loads(result.read_text()), cpu, num_prompts, output_len)
+    m.update(accepts)
     if calls0 is not None:
         m["calls"] = call_times_of(calls0, call_snapshot(fe, fresh=True), num_prompts)
     return m
@@ -497,11 +540,13 @@ def summarize(runs: dict[RowKey, list[dict[str, float]]]) -> list[dict[str, Any]
         row: dict[str, Any] = {"config": name, "endpoint": endpoint, "concurrency": conc,
                                "request_rate": rate, "repeats": len(ms)}
         for key in ("req_s", "tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50",
-                    "e2el_p50", "e2el_p99", "cpu_per_1k", "events_per_req", "split_pct", "split_gap_ms"):
+                    "e2el_p50", "e2el_p99", "cpu_per_1k", "events_per_req", "split_pct", "split_gap_ms",
+                    "accept_wait_s", "accept_peak"):
             vals = [m[key] for m in ms]
-            digits = 2 if key in ("req_s", "tok_s", "events_per_req", "split_pct") else 4
+            digits = 2 if key in ("req_s", "tok_s", "events_per_req", "split_pct", "accept_wait_s") else 4
             row[key] = round(statistics.median(vals), digits)
-            if key in ("req_s", "tok_s", "cpu_per_1k", "ttft_p99", "itl_p99", "e2el_p99", "split_pct"):
+            if key in ("req_s", "tok_s", "cpu_per_1k", "ttft_p99", "itl_p99", "e2el_p99", "split_pct",
+                       "accept_wait_s"):
                 row[key + "_min"], row[key + "_max"] = round(min(vals), digits), round(max(vals), digits)
         row["req_s_repeats"] = [round(m["req_s"], 2) for m in ms]
         row["steady_state_runs"] = int(sum(m["steady"] for m in ms))
@@ -540,11 +585,12 @@ def repeats_at_or_below(ms: list[dict[str, float]], base: list[dict[str, float]]
 def print_latency_check(rows: list[dict[str, Any]]) -> None:
     """Each row against stock with the same statistics setting in the same repeats: its
     p99s (median, min-max over repeats) beside stock's, and in how many repeats it was
-    at or below stock; the share of responses that came in parts beside stock's."""
+    at or below stock; the share of responses that came in parts beside stock's; how long
+    connections waited to be accepted beside stock's (accept_queue_sampled())."""
     by_key = {(r["endpoint"], r["concurrency"], r["request_rate"], r["config"]): r for r in rows}
     print("\n| endpoint | load | config | TTFT p99 ms, stock | at or below | ITL p99 ms, stock "
-          "| at or below | split %, stock | E2E p99 ms, stock's TTFT p99 |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| at or below | split %, stock | E2E p99 ms, stock's TTFT p99 | accept wait s, stock |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         base = by_key.get((r["endpoint"], r["concurrency"], r["request_rate"], baseline_of(r["config"])))
         if "ttft_p99_le_stock" not in r or base is None:
@@ -555,7 +601,8 @@ def print_latency_check(rows: list[dict[str, Any]]) -> None:
             cells.append(f"{spread(r, key)}, {spread(base, key)} | {k}/{n}")
         print(f"| {r['endpoint']} | {load_label(r)} | {r['config']} | {' | '.join(cells)} "
               f"| {spread(r, 'split_pct', 1)}, {spread(base, 'split_pct', 1)} "
-              f"| {r['e2el_p99']:.0f}, {base['ttft_p99']:.0f} |")
+              f"| {r['e2el_p99']:.0f}, {base['ttft_p99']:.0f} "
+              f"| {spread(r, 'accept_wait_s')}, {spread(base, 'accept_wait_s')} |")
 
 
 def spread(row: dict[str, Any], key: str, digits: int = 2) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import sys
+import time
 
 import pytest
 
@@ -216,6 +218,50 @@ def test_output_len_reaches_the_load_and_the_columns() -> None:
     assert m["cpu_per_1k"] == pytest.approx(2.5)  # 0.04 s over 16 requests of 1 token
     assert (m["split_pct"], m["split_gap_ms"]) == (0.0, 0.0)  # every response whole
     assert bench_serve.measurements(res, cpu=0.04, num_prompts=16)["tok_s"] == 400.0 * 256
+
+
+def test_listen_queue_counts_connections_not_yet_accepted() -> None:
+    """The kernel completes a client's connect before the server accepts it; until then
+    the connection waits in the listening socket's queue, which /proc reports."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        assert bench_serve.listen_queue(port) == 0
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        try:
+            assert bench_serve.listen_queue(port) == 5
+            accepted, _ = server.accept()
+            accepted.close()
+            assert bench_serve.listen_queue(port) == 4
+        finally:
+            for c in clients:
+                c.close()
+    assert bench_serve.listen_queue(port) is None
+    assert not bench_serve.is_listening(port)
+
+
+def test_accept_queue_sampling_sees_a_burst_until_it_is_accepted() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        with bench_serve.accept_queue_sampled(port, every_s=0.01) as idle:
+            time.sleep(0.1)
+        assert idle == {"accept_wait_s": 0.0, "accept_peak": 0.0}
+        with bench_serve.accept_queue_sampled(port, every_s=0.01) as burst:
+            opened = time.monotonic()
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+            time.sleep(0.1)
+            for _ in clients:
+                server.accept()[0].close()
+            accepted = time.monotonic()
+            time.sleep(0.1)  # sampled, nothing waiting
+        for c in clients:
+            c.close()
+        assert burst["accept_peak"] == 3.0
+        # the samples that saw connections waiting all came before the accepts
+        assert 0.0 < burst["accept_wait_s"] <= accepted - opened + 0.01
 
 
 def test_profile_splits_samples_by_thread() -> None:
