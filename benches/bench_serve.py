@@ -72,7 +72,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from servers import free_port, server_env  # noqa: E402
+from servers import free_port, listen_queue, server_env  # noqa: E402
 
 from vllm_mmretry.vllm_adapter import installed_vllm_version  # noqa: E402
 
@@ -130,19 +130,6 @@ def stat_cpu_seconds(stat: str | pathlib.Path) -> float:
 def cpu_seconds(pid: int) -> float:
     """utime + stime of one process (all its threads), from /proc/<pid>/stat."""
     return stat_cpu_seconds(f"/proc/{pid}/stat")
-
-
-def listen_queue(port: int) -> int | None:
-    """Connections waiting to be accepted on the TCP socket that LISTENs on port (IPv4 or
-    IPv6, any address), read from /proc; None when nothing listens there. For a LISTEN
-    socket the kernel reports its accept queue in the rx_queue column."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                    return int(cols[4].split(":")[1], 16)
-    return None
 
 
 def is_listening(port: int) -> bool:

@@ -54,18 +54,6 @@ class MockServed:
         return self.engine_log_path.read_text(errors="replace")
 
 
-def _listening(port: int) -> bool:
-    """Whether some socket listens on 127.0.0.1:`port` (read from /proc, so the
-    front end's ZMQ socket never sees a stray connection)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                    return True
-    return False
-
-
 def _fail(front: servers.Server, engine_log: pathlib.Path | None, why: str) -> RuntimeError:
     tail = front.log()[-4000:]
     if engine_log is not None and engine_log.exists():
@@ -87,7 +75,7 @@ def _start_engine(rpc_port: int, env: dict[str, str], log_path: pathlib.Path,
 
 
 def _wait_listening(front: servers.Server, port: int, deadline: float) -> None:
-    while not _listening(port):
+    while servers.listen_queue(port) is None:
         if front.proc.poll() is not None:
             raise _fail(front, None, f"front end exited with {front.proc.returncode}")
         if time.monotonic() > deadline:

@@ -47,6 +47,20 @@ _HANDED_OUT: set[int] = set()
 _PORTS = random.Random()  # its own generator: tests may seed the global one
 
 
+def listen_queue(port: int) -> int | None:
+    """Connections waiting to be accepted on the TCP socket that LISTENs on port (IPv4 or
+    IPv6, any address), read from /proc; None when nothing listens there. For a LISTEN
+    socket the kernel reports its accept queue in the rx_queue column. Reading /proc
+    instead of connecting means a ZMQ socket on that port never sees a stray peer."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    return int(cols[4].split(":")[1], 16)
+    return None
+
+
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range. A port found by binding to 0
     is free when found, but a server binds it only seconds later (vLLM binds its engine
