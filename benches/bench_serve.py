@@ -83,6 +83,10 @@ PROMPT_LEN, OUTPUT_LEN = 32, 256
 PACED_CONCURRENCY = 256
 SPLIT_GAP_S = 0.001  # a longer gap between two events of one response splits it
 ACCEPT_SAMPLE_S = 0.05  # how often a load run reads the front end's accept queue
+# A load run's limit. vllm-rs bench waits without end on a request nobody answers; the
+# smoke test's lower limit (--quick) fits within pytest's 900 s per test, so the harness's
+# error with both logs reaches the test report instead of a killed worker.
+LOAD_TIMEOUT_S, QUICK_LOAD_TIMEOUT_S = 900.0, 240.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ENDPOINT_BACKEND = {"chat": "openai-chat", "completions": "openai"}
 ALL_CONFIGS = ("stock/on", "plugin/on", "permsg/on", "unmerged/on", "rust/on", "stock/off", "plugin/off", "rust/off")
@@ -316,7 +320,8 @@ def bench_cmd(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency
 
 def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency: int,
              num_prompts: int, work: pathlib.Path, seed: int = 0,
-             rate: float | None = None, output_len: int = OUTPUT_LEN) -> dict[str, float]:
+             rate: float | None = None, output_len: int = OUTPUT_LEN,
+             timeout: float = LOAD_TIMEOUT_S) -> dict[str, float]:
     """One load run against one front end, closed loop (`rate` None: all requests queued
     at once, at most `concurrency` in flight) or open (`rate` requests/s, Poisson
     arrivals); returns the row's measurements."""
@@ -325,7 +330,11 @@ def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency:
     calls0 = call_snapshot(fe)
     cpu0 = cpu_seconds(fe.api_pid)
     with accept_queue_sampled(fe.port) as accepts:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=server_env())
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                 env=server_env())
+        except subprocess.TimeoutExpired:
+            raise stalled(fe, timeout) from None
     cpu = cpu_seconds(fe.api_pid) - cpu0
     if out.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm-rs bench serve failed ({out.returncode}) on {fe.name}:\n"
@@ -335,6 +344,16 @@ def run_load(tools: Tools, fe: Frontend, model: str, endpoint: str, concurrency:
     if calls0 is not None:
         m["calls"] = call_times_of(calls0, call_snapshot(fe, fresh=True), num_prompts)
     return m
+
+
+def stalled(fe: Frontend, timeout: float) -> RuntimeError:
+    """The error of a load run that did not finish: vllm-rs bench waits for as long as a
+    front end or its engine leaves requests unanswered (an engine that cannot decode the
+    front end's requests logs that and drops them), so both logs' tails say why."""
+    engine_log = fe.log_path.with_suffix(".engine.log")
+    return RuntimeError(f"vllm-rs bench serve did not finish in {timeout:.0f}s on {fe.name}; "
+                        f"server log tail:\n{tail(fe.log_path)}\n"
+                        f"engine log tail:\n{tail(engine_log, 2000)}")
 
 
 def call_snapshot(fe: Frontend, fresh: bool = False) -> dict[str, Any] | None:
@@ -441,11 +460,11 @@ def num_prompts_for(concurrency: int, factor: float, minimum: int) -> int:
 
 
 def warm_up(tools: Tools, fes: dict[str, Frontend], model: str, endpoints: list[str],
-            work: pathlib.Path) -> None:
+            work: pathlib.Path, timeout: float = LOAD_TIMEOUT_S) -> None:
     """First requests pay one-off costs (template compilation, caches): keep them out."""
     for fe in fes.values():
         for endpoint in endpoints:
-            run_load(tools, fe, model, endpoint, 4, 8, work)
+            run_load(tools, fe, model, endpoint, 4, 8, work, timeout=timeout)
 
 
 def rotated(items: list[str], k: int) -> list[str]:
@@ -502,7 +521,7 @@ def measure(args: argparse.Namespace, fes: dict[str, Frontend], model: str,
     for rep in range(args.repeat):
         for name, endpoint, conc, rate, n in load_points(args, list(fes), rep, runs):
             m = run_load(args.tools, fes[name], model, endpoint, conc, n, work, seed=rep, rate=rate,
-                         output_len=args.output_len)
+                         output_len=args.output_len, timeout=args.load_timeout)
             m["repeat"] = rep
             runs.setdefault((name, endpoint, conc, rate), []).append(m)
             calls = m.get("calls")
@@ -681,6 +700,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--call-times", action="store_true",
                     help="time the API server's per-message work (tools/call_times): decode, "
                          "process_outputs, the stat loggers' record; its wrappers cost a little")
+    ap.add_argument("--load-timeout", type=float, default=None,
+                    help=f"seconds a load run may take before the run fails with both logs' "
+                         f"tails (default {LOAD_TIMEOUT_S:.0f}, with --quick {QUICK_LOAD_TIMEOUT_S:.0f})")
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                     help="py-spy record the API server of stock/on and plugin/on for SECONDS each")
     args = ap.parse_args(argv)
@@ -689,6 +711,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.paced_seconds = 2.0
         args.min_prompts = 0
         args.configs = "stock/on,plugin/on,rust/on"
+    if args.load_timeout is None:
+        args.load_timeout = QUICK_LOAD_TIMEOUT_S if args.quick else LOAD_TIMEOUT_S
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     args.rates = [float(r) for r in str(args.rates).split(",") if r.strip()]
     args.saturation_rates = {}  # endpoint -> the rate at stock's saturation, once measured
@@ -729,7 +753,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     work.mkdir()
     with serving(args.configs, args.model, args.tools, log_dir, call_times=args.call_times) as fes:
         print(f"  servers up after {time.monotonic() - t0:.0f}s", flush=True)
-        warm_up(args.tools, fes, args.model, args.endpoints, work)
+        warm_up(args.tools, fes, args.model, args.endpoints, work, args.load_timeout)
         if args.profile:
             from profile_serve import profile_frontends
 

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import socket
+import subprocess
 import sys
 import time
 
@@ -262,6 +263,35 @@ def test_accept_queue_sampling_sees_a_burst_until_it_is_accepted() -> None:
         assert burst["accept_peak"] == 3.0
         # the samples that saw connections waiting all came before the accepts
         assert 0.0 < burst["accept_wait_s"] <= accepted - opened + 0.01
+
+
+def test_a_load_run_nobody_answers_fails_with_both_logs(tmp_path: pathlib.Path) -> None:
+    """A front end that accepts requests and never answers (as one whose engine drops
+    them does): the run ends at its limit with the server's and the engine's log tails,
+    instead of waiting as long as vllm-rs bench would."""
+    tools = bench_serve.parse_args(["--quick"]).tools
+    require_executables(tools.vllm_rs)
+    log = tmp_path / "stock-on-1.log"
+    log.write_text("server says hello\n")
+    log.with_suffix(".engine.log").write_text("failed to decode engine request message\n")
+    from tiny_model import ensure_tiny_model  # tools/, on the path bench_serve set
+
+    model = str(ensure_tiny_model())
+    with socket.socket() as server, subprocess.Popen(["sleep", "60"]) as api:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        fe = bench_serve.Frontend("stock/on", server.getsockname()[1], log, proc=api)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RuntimeError) as err:
+                bench_serve.run_load(tools, fe, model, "chat", 2, 2, tmp_path, timeout=3)
+            assert time.monotonic() - started < 30
+        finally:
+            api.kill()
+    message = str(err.value)
+    assert "did not finish in 3s on stock/on" in message
+    assert "server says hello" in message
+    assert "failed to decode engine request message" in message
 
 
 def test_profile_splits_samples_by_thread() -> None:
