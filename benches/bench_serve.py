@@ -119,6 +119,11 @@ class Frontend:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def engine_log_path(self) -> pathlib.Path:
+        """Where the mock engine behind this front end logs."""
+        return self.log_path.with_suffix(".engine.log")
+
+    @property
     def api_pid(self) -> int:
         """The process that answers HTTP (with one API server, the launched one)."""
         return self.proc.pid
@@ -240,7 +245,7 @@ def attach_engine(fe: Frontend, rpc: int, tools: Tools, timeout: float) -> None:
            "--vocab-size", "32000", "--seed", "0"]
     deadline = time.monotonic() + timeout
     while True:
-        fe.engine = popen(cmd, fe.log_path.with_suffix(".engine.log"), server_env())
+        fe.engine = popen(cmd, fe.engine_log_path, server_env())
         with contextlib.suppress(TimeoutError):
             wait_for(lambda: healthy(fe.base_url) or fe.engine.poll() is not None,
                      "/health", max(1.0, deadline - time.monotonic()), fe)
@@ -350,10 +355,9 @@ def stalled(fe: Frontend, timeout: float) -> RuntimeError:
     """The error of a load run that did not finish: vllm-rs bench waits for as long as a
     front end or its engine leaves requests unanswered (an engine that cannot decode the
     front end's requests logs that and drops them), so both logs' tails say why."""
-    engine_log = fe.log_path.with_suffix(".engine.log")
     return RuntimeError(f"vllm-rs bench serve did not finish in {timeout:.0f}s on {fe.name}; "
                         f"server log tail:\n{tail(fe.log_path)}\n"
-                        f"engine log tail:\n{tail(engine_log, 2000)}")
+                        f"engine log tail:\n{tail(fe.engine_log_path, 2000)}")
 
 
 def call_snapshot(fe: Frontend, fresh: bool = False) -> dict[str, Any] | None:

@@ -273,7 +273,6 @@ def test_a_load_run_nobody_answers_fails_with_both_logs(tmp_path: pathlib.Path) 
     require_executables(tools.vllm_rs)
     log = tmp_path / "stock-on-1.log"
     log.write_text("server says hello\n")
-    log.with_suffix(".engine.log").write_text("failed to decode engine request message\n")
     from tiny_model import ensure_tiny_model  # tools/, on the path bench_serve set
 
     model = str(ensure_tiny_model())
@@ -281,6 +280,7 @@ def test_a_load_run_nobody_answers_fails_with_both_logs(tmp_path: pathlib.Path) 
         server.bind(("127.0.0.1", 0))
         server.listen(16)
         fe = bench_serve.Frontend("stock/on", server.getsockname()[1], log, proc=api)
+        fe.engine_log_path.write_text("failed to decode engine request message\n")
         try:
             started = time.monotonic()
             with pytest.raises(RuntimeError) as err:
