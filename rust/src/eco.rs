@@ -26,8 +26,10 @@ macro_rules! eco_fields {
         pub const COUNT: usize = [$(stringify!($field)),*].len();
 
         /// vLLM's attribute name of each field (`vllm_adapter.base.EcoFields`).
+        /// `decode_none`: fields of this vLLM that must be None for the native
+        /// plain-decode statistics (a release's new per-request fields).
         #[derive(FromPyObject, Clone, Debug)]
-        pub struct EcoFieldNames { $(pub $field: String),* }
+        pub struct EcoFieldNames { $(pub $field: String,)* pub decode_none: Vec<String> }
 
         impl EcoFieldNames {
             /// The names indexed by `F`.
@@ -65,6 +67,9 @@ pub struct EcoReader {
     names: Vec<Py<PyString>>,
     /// Byte offsets of each field slot, when the probe found all of them.
     offsets: Option<Offsets>,
+    /// `EcoFieldNames::decode_none`, and their slot offsets when probed.
+    decode_none: Vec<Py<PyString>>,
+    decode_none_offsets: Option<Vec<isize>>,
 }
 
 /// An `EngineCoreOutput` seen through a reader: the witness that its type was
@@ -93,27 +98,31 @@ impl EcoReader {
         slot_reads: bool,
     ) -> PyResult<Self> {
         let by_field = names.by_field();
-        let offsets = if slot_reads {
-            Self::probe(py, cls, &by_field).unwrap_or(None)
-        } else {
-            None
+        let extra: Vec<&str> = names.decode_none.iter().map(String::as_str).collect();
+        let probe = |fields: &[&str]| {
+            if slot_reads {
+                Self::probe(py, cls, fields).unwrap_or(None)
+            } else {
+                None
+            }
         };
-        let names = by_field
-            .iter()
-            .map(|n| PyString::intern(py, n).unbind())
-            .collect();
+        let offsets = probe(&by_field).and_then(|v| Offsets::try_from(v).ok());
+        let decode_none_offsets = probe(&extra);
+        let intern = |n: &&str| PyString::intern(py, n).unbind();
         Ok(Self {
             cls: cls.clone().unbind(),
-            names,
+            names: by_field.iter().map(intern).collect(),
             offsets,
+            decode_none: extra.iter().map(intern).collect(),
+            decode_none_offsets,
         })
     }
 
     fn probe(
         py: Python<'_>,
         cls: &Bound<'_, PyType>,
-        names: &[&str; COUNT],
-    ) -> PyResult<Option<Offsets>> {
+        names: &[&str],
+    ) -> PyResult<Option<Vec<isize>>> {
         let fields: Vec<String> = cls.getattr("__struct_fields__")?.extract()?;
         let object = py.eval(c"object", None, None)?;
         let kwargs = PyDict::new(py);
@@ -126,7 +135,7 @@ impl EcoReader {
         let probe = cls.call((), Some(&kwargs))?;
         let basic: isize = cls.getattr("__basicsize__")?.extract()?;
         let ptr_size = std::mem::size_of::<*mut ffi::PyObject>() as isize;
-        let mut offsets = [0isize; COUNT];
+        let mut offsets = vec![0isize; names.len()];
         for (i, name) in names.iter().enumerate() {
             let Some((_, s)) = sentinels.iter().find(|(f, _)| f == name) else {
                 return Ok(None);
@@ -186,13 +195,36 @@ impl EcoReader {
     /// Field `f` of `eco`.
     #[inline]
     pub fn get<'py>(&self, eco: &Eco<'_, 'py>, f: F) -> PyResult<Bound<'py, PyAny>> {
-        if let (Some(offs), true) = (&self.offsets, eco.exact_for == self.cls_ptr()) {
+        let offset = self.offsets.as_ref().map(|offs| offs[f as usize]);
+        self.read(eco, offset, &self.names[f as usize])
+    }
+
+    /// Whether every `decode_none` field of `eco` is None.
+    pub fn decode_none_fields_are_none(&self, eco: &Eco<'_, '_>) -> PyResult<bool> {
+        for (i, name) in self.decode_none.iter().enumerate() {
+            let offset = self.decode_none_offsets.as_ref().map(|offs| offs[i]);
+            if !self.read(eco, offset, name)?.is_none() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// A field by its slot offset when `eco` is exactly the probed class, else by name.
+    #[inline]
+    fn read<'py>(
+        &self,
+        eco: &Eco<'_, 'py>,
+        offset: Option<isize>,
+        name: &Py<PyString>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let (Some(off), true) = (offset, eco.exact_for == self.cls_ptr()) {
             // SAFETY: `exact_for` equals our class only when `view` found the
             // object's type to be exactly the class the offsets were probed on, so
             // the slot at this offset holds the field (a strong reference, or NULL).
             let p = unsafe {
                 *(eco.obj.as_ptr() as *const u8)
-                    .offset(offs[f as usize])
+                    .offset(off)
                     .cast::<*mut ffi::PyObject>()
             };
             if !p.is_null() {
@@ -200,7 +232,7 @@ impl EcoReader {
                 return Ok(unsafe { Bound::from_borrowed_ptr(eco.obj.py(), p) });
             }
         }
-        eco.obj.getattr(self.names[f as usize].bind(eco.obj.py()))
+        eco.obj.getattr(name.bind(eco.obj.py()))
     }
 
     pub fn name<'py>(&self, py: Python<'py>, f: F) -> &Bound<'py, PyString> {

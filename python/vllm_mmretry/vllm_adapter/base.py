@@ -39,6 +39,9 @@ class EcoFields:
     prompt_token_id_logprobs: str
     events: str
     num_nans_in_logits: str
+    # Fields a release added that vLLM's `IterationStats.update_from_output` reads:
+    # the native statistics count an output only when they are all None.
+    decode_none: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -892,6 +892,7 @@ class Adapter(VllmAdapter):
 
     version = "0.32.0"
     ECO_STRUCT_FIELDS: tuple[str, ...] = ECO_STRUCT_FIELDS
+    ECO_FIELDS: EcoFields = ECO_FIELDS
     MISS_CODE = MISS_CODE
 
     # --- output processor ---------------------------------------------------
@@ -923,7 +924,7 @@ class Adapter(VllmAdapter):
             finish_stop=int(FinishReason.STOP),
             finish_abort=int(FinishReason.ABORT),
             finish_error=int(FinishReason.ERROR),
-            eco_fields=ECO_FIELDS,
+            eco_fields=self.ECO_FIELDS,
             output_fields=OUTPUT_FIELDS,
             object_fields=OBJECT_FIELDS,
             merge_fields=MERGE_FIELDS,

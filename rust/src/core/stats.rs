@@ -122,14 +122,17 @@ pub(super) fn record_plain_decode<'py>(
     req_stats: &Bound<'py, PyAny>,
     new_ids: &Bound<'py, PyAny>,
 ) -> PyResult<bool> {
-    if !is_plain_decode(&er.get(ev, F::Events)?, &er.get(ev, F::NumNansInLogits)?) {
+    if !is_plain_decode(&er.get(ev, F::Events)?, &er.get(ev, F::NumNansInLogits)?)
+        || !er.decode_none_fields_are_none(ev)?
+    {
         return Ok(false);
     }
     d.record(names, req_stats, new_ids.len()?)
 }
 
 /// Whether an output is a plain decode step for the native statistics: no
-/// engine events, and a NaN count that is exactly the int 0.
+/// engine events, and a NaN count that is exactly the int 0 (the caller also
+/// checks the version's `decode_none` fields).
 fn is_plain_decode(events: &Bound<'_, PyAny>, nans: &Bound<'_, PyAny>) -> bool {
     events.is_none()
         && nans
