@@ -11,7 +11,9 @@ no NaN count) natively and hands every other output to vLLM's update_from_output
 both paths must give stock's values.
 Outputs carry what drives the stats: QUEUED/SCHEDULED/PREEMPTED events, prefill
 stats, NaN counts (with VLLM_COMPUTE_NANS_IN_LOGITS off and on), finish reasons,
-stop strings, aborts, n>1 parents, and logprobs (vLLM's own path inside ours)."""
+stop strings, aborts, n>1 parents, logprobs (vLLM's own path inside ours), and on vLLM
+0.34 the engine's `watermarking` verdict (usually on the first output, now and then on a
+later one, where ours must not count the output natively)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from output_processor_support import ReqSpec, Side, eco, new_iteration_stats, norm
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
+from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor as StockOP
 from vllm.v1.metrics.stats import PrefillStats
 
@@ -38,6 +40,8 @@ STOPS = ["fox", " the", "og."]
 FINISHES = [None] * 8 + [FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]
 QUEUED, SCHEDULED, PREEMPTED = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED
 NANS_ENV = "VLLM_COMPUTE_NANS_IN_LOGITS"
+# vLLM 0.34's EngineCoreOutput says whether the sampler watermarked the request.
+HAS_WATERMARKING = "watermarking" in EngineCoreOutput.__struct_fields__
 
 
 @dataclass
@@ -134,6 +138,14 @@ def _prefill(data: st.DataObject, first: bool, prompt_len: int) -> tuple[int, in
     return prompt_len, local, external, data.draw(st.integers(0, prompt_len + 2))
 
 
+def _watermarking(data: st.DataObject, first: bool) -> bool | None:
+    """The engine's watermarking verdict on one output (0.34; None elsewhere): sent on
+    a request's first output when a watermark config is set, rarely on a later one."""
+    if not HAS_WATERMARKING or not data.draw(st.sampled_from([True, False] if first else [False] * 9 + [True])):
+        return None
+    return data.draw(st.booleans())
+
+
 class TextWalk:
     """Where each request is in the text its outputs walk through (so stop strings
     match), and which requests are past their first output (prefill)."""
@@ -159,6 +171,7 @@ class TextWalk:
             "events": _events(data, first, lo, hi),
             "prefill": _prefill(data, first, self.prompt_len[rid]),
             "nans": data.draw(nans),
+            "watermarking": _watermarking(data, first),
         }
         if step["finish"] not in (None, FinishReason.ABORT) and not step["tokens"]:
             step["tokens"] = [self.tokens[0]]
@@ -170,6 +183,8 @@ def _build(rid: str, step: dict[str, Any], logprobs: int | None) -> Any:
     kw: dict[str, Any] = {"num_nans_in_logits": step["nans"]}
     if step["events"] is not None:
         kw["events"] = [EngineCoreEvent(type=t, timestamp=ts) for t, ts in step["events"]]
+    if step.get("watermarking") is not None:
+        kw["watermarking"] = step["watermarking"]
     if step["prefill"] is not None:
         prompt, local, external, cached = step["prefill"]
         ps = PrefillStats()

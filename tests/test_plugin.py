@@ -74,20 +74,23 @@ def test_disabled_leaves_vllm_untouched() -> None:
     [
         ("0.32.0", True),
         ("0.33.0", True),
+        ("0.34.0", True),
         ("0.31.9", False),
         ("0.32.1", False),
         ("0.33.1", False),
-        ("0.34.0", False),
+        ("0.34.1", False),
+        ("0.35.0", False),
         ("", False),
         (None, False),
     ],
 )
-def test_version_gate_accepts_exactly_0_32_0_and_0_33_0(version: str | None, supported: bool) -> None:
+def test_version_gate_accepts_exactly_0_32_0_0_33_0_and_0_34_0(version: str | None,
+                                                              supported: bool) -> None:
     assert vllm_adapter.is_supported(version) is supported
-    assert vllm_adapter.SUPPORTED_VLLM_VERSIONS == {"0.32.0", "0.33.0"}
+    assert vllm_adapter.SUPPORTED_VLLM_VERSIONS == {"0.32.0", "0.33.0", "0.34.0"}
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.31.9", "0.35.0"])
 def test_unsupported_vllm_version_leaves_vllm_untouched(version: str) -> None:
     r = _run(PROBE.format(setup=f"import vllm; vllm.__version__ = '{version}'"))
     assert r == {
@@ -98,7 +101,7 @@ def test_unsupported_vllm_version_leaves_vllm_untouched(version: str) -> None:
     }
 
 
-@pytest.mark.parametrize("version", ["0.34.0"])
+@pytest.mark.parametrize("version", ["0.35.0"])
 def test_disabled_with_an_unknown_vllm_and_faults_set_still_starts(version: str) -> None:
     """VLLM_MMRETRY=0 must never stop vLLM: on a vLLM the fault switch does not know,
     it is not installed either."""

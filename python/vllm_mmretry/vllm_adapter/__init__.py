@@ -24,6 +24,7 @@ from vllm_mmretry.vllm_adapter.base import VllmAdapter
 VERSION_MODULES: dict[str, str] = {
     "0.32.0": "v0_32",
     "0.33.0": "v0_33",
+    "0.34.0": "v0_34",
 }
 SUPPORTED_VLLM_VERSIONS: frozenset[str] = frozenset(VERSION_MODULES)
 
