@@ -72,11 +72,11 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from servers import free_port, listen_queue, server_env  # noqa: E402
+from servers import free_port, listen_queue, mock_dir, mock_make_target, server_env  # noqa: E402
 
 from vllm_mmretry.vllm_adapter import installed_vllm_version  # noqa: E402
 
-MOCK_DIR = ROOT / ".cache" / "mock-engine"  # where `make mock-engine` puts both binaries
+MOCK_DIR = mock_dir()  # where `make mock-engine` (-034 for vLLM 0.34) puts both binaries
 CALL_TIMES_SITE = ROOT / "tools" / "call_times"  # a sitecustomize, put on PYTHONPATH
 PROMPT_LEN, OUTPUT_LEN = 32, 256
 # Open-loop runs: a cap on requests in flight that a run below saturation never reaches.
@@ -741,7 +741,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args.t0 = t0
     for binary in (args.tools.mock_engine, args.tools.vllm_rs):
         if binary is None or not os.access(binary, os.X_OK):
-            sys.exit(f"{binary} missing: run `make mock-engine` first")
+            sys.exit(f"{binary} missing: run `make {mock_make_target()}` first")
     if args.model is None:
         from tiny_model import ensure_tiny_model
 

@@ -3,12 +3,13 @@
 The front end runs as `vllm-mmretry serve MODEL ... --data-parallel-size 1
 --data-parallel-size-local 0 --data-parallel-address 127.0.0.1 --data-parallel-rpc-port P`:
 it binds the handshake socket on P and waits for an engine. The mock engine
-(`make mock-engine` builds it into .cache/mock-engine/) joins that handshake; it gives up
+(`make mock-engine` builds it into .cache/mock-engine/, `make mock-engine-034` the one of
+vLLM 0.34.0 into .cache/mock-engine-0.34.0/; `servers.mock_dir()` picks) joins that handshake; it gives up
 after 5 s when the socket is not there yet, so it is started once the front end listens
 on P, and restarted if it exits before the front end is healthy. Both processes run in
 process groups of their own and are always killed on exit.
 
-Used with vLLM 0.33 (.venv-033), whose engine cannot run a model on this machine: the
+Used with vLLM 0.33 and 0.34 (.venv-033, .venv-034), whose engine cannot run a model on this machine: the
 front end is real (HTTP, renderer, P0 multimodal cache, output processor, the plugin
 through its entry point); tokens come from the mock engine."""
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import servers
 
-MOCK_DIR = servers.ROOT / ".cache" / "mock-engine"
+MOCK_DIR = servers.mock_dir()
 MOCK_ENGINE = MOCK_DIR / "vllm-mock-engine"
 
 ENGINE_START_ATTEMPTS = 20
@@ -116,7 +117,7 @@ def serve_with_mock_engine(model: str | os.PathLike, *args: str,
                            timeout: float = 240.0) -> Iterator[MockServed]:
     """Run the headless front end and the mock engine until the block exits."""
     if not MOCK_ENGINE.exists():
-        raise FileNotFoundError(f"{MOCK_ENGINE} is missing: run `make mock-engine`")
+        raise FileNotFoundError(f"{MOCK_ENGINE} is missing: run `make {servers.mock_make_target()}`")
     port, rpc_port = servers.free_port(), servers.free_port()
     log_dir = servers.ROOT / ".cache" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

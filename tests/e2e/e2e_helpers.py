@@ -50,9 +50,10 @@ def require_executables(*paths: pathlib.Path) -> None:
     missing = [str(p) for p in paths if not os.access(p, os.X_OK)]
     if not missing:
         return
+    why = f"missing {missing}: run `make {servers.mock_make_target()}`"
     if os.environ.get("VLLM_MMRETRY_REQUIRE_MOCK_ENGINE") == "1":
-        pytest.fail(f"missing {missing}: run `make mock-engine`")
-    pytest.skip(f"missing {missing}: run `make mock-engine`")
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def image_url(rgb: tuple[int, int, int]) -> str:

@@ -1,4 +1,4 @@
-"""Fixtures for the vLLM 0.33 HTTP tests: the headless 0.33 front end (through our
+"""Fixtures for the vLLM 0.33 and 0.34 HTTP tests: the headless front end (through our
 launcher, the plugin loaded by vLLM's entry point) with vLLM's mock engine behind it
 (tools/mock_serve.py; `make mock-engine` builds the engine with our fault mode)."""
 
@@ -7,17 +7,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from e033_helpers import installed_vllm_version, mock_serve, serve, tiny_model
-
-TARGET = "0.33.0"
+from e033_helpers import TARGETS, installed_vllm_version, mock_serve, serve, tiny_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     version = installed_vllm_version()
-    if version == TARGET:
+    if version in TARGETS:
         return
-    skip = pytest.mark.skip(reason=f"tests/e2e_033 run against vLLM {TARGET} (.venv-033, "
-                                   f"`make test-033`); this environment has vLLM {version}")
+    skip = pytest.mark.skip(reason=f"tests/e2e_033 run against vLLM {' and '.join(TARGETS)} "
+                                   "(.venv-033, .venv-034: `make test-033`, `make test-034`); "
+                                   f"this environment has vLLM {version}")
     for item in items:
         if "e2e_033" in item.nodeid.split("/"):
             item.add_marker(skip)

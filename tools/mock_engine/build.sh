@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# Build vLLM's mock engine (rust/src/mock-engine of the pinned vLLM source distribution on
-# PyPI) with this project's patches. Usage: tools/mock_engine/build.sh DEST_DIR
+# Build vLLM's mock engine (rust/src/mock-engine of a pinned vLLM source distribution on
+# PyPI) with this project's patches. Usage: tools/mock_engine/build.sh DEST_DIR [VERSION]
+# (VERSION: 0.33.0, the default, or 0.34.0). Each release has its own wire format (0.34
+# packs prompt token ids as an int32 ndarray), so a front end needs the engine of its
+# release.
 #
 # - The sdist is fetched once with pip and checked against the pinned sha256. pip unpacks it
 #   and then builds its metadata (which would install torch as a build dependency), so the
 #   archive is taken as soon as its hash matches and that pip process is stopped.
 # - The workspace is cut to the three crates the mock engine needs (the others pull git-only
 #   crates that cannot be fetched here) and the zmq.rs git revision is replaced by zeromq
-#   0.7.0 from crates.io; the checked-in Cargo.lock pins every crate (cargo --locked).
+#   0.7.0 from crates.io; the checked-in Cargo-VERSION.lock pins every crate (cargo --locked).
 # - Every patches/*.patch is applied in name order (paths relative to the sdist's rust/).
 set -euo pipefail
 
-VLLM_VERSION=0.33.0
-SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+DEST=${1:?usage: build.sh DEST_DIR [VERSION]}
+VLLM_VERSION=${2:-0.33.0}
+case $VLLM_VERSION in
+  0.33.0) SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112 ;;
+  0.34.0) SDIST_SHA256=fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113 ;;
+  *) echo "build.sh: no pinned sdist for vLLM $VLLM_VERSION" >&2; exit 2 ;;
+esac
 MEMBERS='"src/engine-core-client", "src/metrics", "src/mock-engine"'
 ZEROMQ='zeromq = { version = "0.7.0", default-features = false, features = ["tokio-runtime", "all-transport"] }'
 
-DEST=${1:?usage: build.sh DEST_DIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-WORK=${MOCK_ENGINE_WORK:-$ROOT/.cache/mock-engine-build}
+WORK=${MOCK_ENGINE_WORK:-$ROOT/.cache/mock-engine-build}/$VLLM_VERSION
 PY=${PYTHON:-python3}
 SDIST=$WORK/vllm-$VLLM_VERSION.tar.gz
 
@@ -69,7 +76,7 @@ WS=$WORK/ws
 rm -rf "$WS.new" && mkdir -p "$WS.new"
 tar -xzf "$SDIST" -C "$WS.new" --strip-components=2 "vllm-$VLLM_VERSION/rust"
 cut_workspace "$WS.new/Cargo.toml"
-cp "$HERE/Cargo.lock" "$WS.new/Cargo.lock"
+cp "$HERE/Cargo-$VLLM_VERSION.lock" "$WS.new/Cargo.lock"
 applied=()
 for p in "$HERE"/patches/*.patch; do
   [[ -e $p ]] || continue
