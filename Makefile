@@ -35,7 +35,7 @@ export DO_NOT_TRACK := 1
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
 .PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py bench-serve soak clean test-fast lint wheel
-.PHONY: setup-033 test-033 mock-engine bench-serve-033 bench-serve-model
+.PHONY: setup-033 test-033 mock-engine bench-serve-033 bench-serve-model setup-034 test-034 mock-engine-034
 
 setup: $(STAMP)/package
 
@@ -63,7 +63,7 @@ $(STAMP)/package: $(STAMP)/vllm $(RUST_SRC) | $(STAMP)/bytecode
 demo: setup
 	$(VPY) tools/demo.py
 
-test: setup lint test-rust test-py test-033
+test: setup lint test-rust test-py test-033 test-034
 
 # The Rust detokenizer tests compare against the real vocabularies: build them first.
 vocabs: setup
@@ -151,7 +151,7 @@ bench-serve-033: setup-033 mock-engine
 	  $(if $(filter 1,$(PROFILE)),--profile 20)
 
 clean:
-	rm -rf target $(VENV) $(VENV033) .cache
+	rm -rf target $(VENV) $(VENV033) $(VENV034) .cache
 
 # --- vLLM 0.33.0 (GPU build from PyPI) beside 0.32.0: .venv-033 ------------------------
 # Its engine cannot run a model here (no GPU, no CPU build of 0.33): the 0.33 tests run its
@@ -187,9 +187,9 @@ $(STAMP033)/package: $(STAMP033)/vllm $(RUST_SRC) | $(STAMP033)/bytecode
 # front end / load generator `vllm-rs` from the installed vllm 0.33.0 package.
 mock-engine: $(MOCK)/vllm-mock-engine $(MOCK)/vllm-rs
 
-$(MOCK)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo.lock \
+$(MOCK)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo-0.33.0.lock \
 		$(wildcard tools/mock_engine/patches/*.patch)
-	PYTHON=$(PY) tools/mock_engine/build.sh $(MOCK)
+	PYTHON=$(PY) tools/mock_engine/build.sh $(MOCK) 0.33.0
 	touch $@
 
 $(MOCK)/vllm-rs: $(STAMP033)/vllm
@@ -202,3 +202,61 @@ $(MOCK)/vllm-rs: $(STAMP033)/vllm
 test-033: setup-033 mock-engine
 	$(VPY033) tools/tiny_model.py >/dev/null
 	$(VPY033) -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 tests --ignore=tests/e2e
+
+# --- vLLM 0.34.0 (GPU build from PyPI): .venv-034 -----------------------------------------
+# As for 0.33: its front end runs headless with vLLM's mock engine, here the one built
+# from the 0.34.0 sdist (0.34 changed the request wire format). Two set-up steps that only
+# this test venv gets:
+# - vLLM 0.34.0 pins flashinfer-python==0.7.3, which PyPI lacks: overridden to 0.7.4
+#   (requirements/overrides-034.txt).
+# - 0.34's CPU platform check refuses an x86 CPU without triton-cpu (PyPI has none), even
+#   for a headless front end: tools/assume_triton makes vLLM see Triton in this venv.
+VENV034 := .venv-034
+VPY034 := $(VENV034)/bin/python
+STAMP034 := $(VENV034)/.stamps
+UV034 := $(call uv_install,$(VENV034))
+MOCK034 := .cache/mock-engine-0.34.0
+ASSUME_TRITON := tools/assume_triton
+
+setup-034: $(STAMP034)/package
+
+$(STAMP034)/vllm: $(REQ)/constraints-034.txt $(REQ)/overrides-034.txt $(REQ)/dev.txt \
+		$(ASSUME_TRITON)/mmretry_assume_triton.py $(ASSUME_TRITON)/mmretry_assume_triton.pth
+	test -x $(VPY034) || $(PY) -m venv $(VENV034)
+	$(VPY034) -m pip install -q --disable-pip-version-check -c $(REQ)/constraints-034.txt \
+	  --upgrade pip uv==$(UV_VERSION)
+	$(UV034) -c $(REQ)/constraints-034.txt --override $(REQ)/overrides-034.txt \
+	  vllm==0.34.0 -r $(REQ)/dev.txt
+	site=$$($(VPY034) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  install -m 644 $(ASSUME_TRITON)/mmretry_assume_triton.py $(ASSUME_TRITON)/mmretry_assume_triton.pth "$$site"
+	$(VPY034) -c "import vllm; assert vllm.__version__ == '0.34.0', vllm.__version__"
+	$(VPY034) -c "from vllm.triton_utils import HAS_TRITON; assert HAS_TRITON"
+	mkdir -p $(STAMP034) && touch $@
+
+$(STAMP034)/bytecode: $(STAMP034)/vllm
+	$(call compile_bytecode,$(VENV034))
+	touch $@
+
+$(STAMP034)/package: $(STAMP034)/vllm $(RUST_SRC) | $(STAMP034)/bytecode
+	VIRTUAL_ENV=$(abspath $(VENV034)) PATH=$(abspath $(VENV034))/bin:$$PATH \
+	  $(VENV034)/bin/maturin develop --release --quiet
+	$(VPY034) -c "import vllm_mmretry, vllm_mmretry._core"
+	touch $@
+
+# The mock engine and vllm-rs of vLLM 0.34.0 (tools/mock_serve.py and bench_serve.py
+# pick this directory when the installed vLLM is 0.34.0).
+mock-engine-034: $(MOCK034)/vllm-mock-engine $(MOCK034)/vllm-rs
+
+$(MOCK034)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo-0.34.0.lock \
+		$(wildcard tools/mock_engine/patches/*.patch)
+	PYTHON=$(PY) tools/mock_engine/build.sh $(MOCK034) 0.34.0
+	touch $@
+
+$(MOCK034)/vllm-rs: $(STAMP034)/vllm
+	mkdir -p $(MOCK034)
+	install -m 755 "$$($(VPY034) -c 'import os, vllm; print(os.path.join(os.path.dirname(vllm.__file__), "vllm-rs"))')" $@
+
+# The 0.33 suite (every test that needs no model engine, and tests/e2e_033) on 0.34.0.
+test-034: setup-034 mock-engine-034
+	$(VPY034) tools/tiny_model.py >/dev/null
+	$(VPY034) -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 tests --ignore=tests/e2e
