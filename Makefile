@@ -179,18 +179,23 @@ $(STAMP033)/vllm: $(REQ)/constraints-033.txt $(REQ)/dev.txt
 
 $(eval $(call venv_package,$(VENV033),$(STAMP033)))
 
-# vLLM's mock engine (pinned vLLM 0.33.0 sdist + tools/mock_engine/patches) and vLLM's Rust
-# front end / load generator `vllm-rs` from the installed vllm 0.33.0 package.
+# vLLM's mock engine of a release (its pinned sdist + tools/mock_engine/patches) and vLLM's
+# Rust front end / load generator `vllm-rs` from that release's installed package, into
+# one directory. Arguments: the directory, the vLLM version, the venv's stamp dir, its python.
+define mock_engine_dir
+$(1)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo-$(2).lock \
+		$$(wildcard tools/mock_engine/patches/*.patch)
+	PYTHON=$$(PY) tools/mock_engine/build.sh $(1) $(2)
+	touch $$@
+
+$(1)/vllm-rs: $(3)/vllm
+	mkdir -p $(1)
+	install -m 755 "$$$$($(4) -c 'import os, vllm; print(os.path.join(os.path.dirname(vllm.__file__), "vllm-rs"))')" $$@
+endef
+
+# vLLM 0.33.0's (also used with 0.32).
 mock-engine: $(MOCK)/vllm-mock-engine $(MOCK)/vllm-rs
-
-$(MOCK)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo-0.33.0.lock \
-		$(wildcard tools/mock_engine/patches/*.patch)
-	PYTHON=$(PY) tools/mock_engine/build.sh $(MOCK) 0.33.0
-	touch $@
-
-$(MOCK)/vllm-rs: $(STAMP033)/vllm
-	mkdir -p $(MOCK)
-	install -m 755 "$$($(VPY033) -c 'import os, vllm; print(os.path.join(os.path.dirname(vllm.__file__), "vllm-rs"))')" $@
+$(eval $(call mock_engine_dir,$(MOCK),0.33.0,$(STAMP033),$(VPY033)))
 
 # Every test that needs no engine running a real model, against vLLM 0.33.0, plus the
 # headless 0.33 front end with the mock engine (tests/e2e_033). Tests that need a model
@@ -234,15 +239,7 @@ $(eval $(call venv_package,$(VENV034),$(STAMP034)))
 # The mock engine and vllm-rs of vLLM 0.34.0 (tools/mock_serve.py and bench_serve.py
 # pick this directory when the installed vLLM is 0.34.0).
 mock-engine-034: $(MOCK034)/vllm-mock-engine $(MOCK034)/vllm-rs
-
-$(MOCK034)/vllm-mock-engine: tools/mock_engine/build.sh tools/mock_engine/Cargo-0.34.0.lock \
-		$(wildcard tools/mock_engine/patches/*.patch)
-	PYTHON=$(PY) tools/mock_engine/build.sh $(MOCK034) 0.34.0
-	touch $@
-
-$(MOCK034)/vllm-rs: $(STAMP034)/vllm
-	mkdir -p $(MOCK034)
-	install -m 755 "$$($(VPY034) -c 'import os, vllm; print(os.path.join(os.path.dirname(vllm.__file__), "vllm-rs"))')" $@
+$(eval $(call mock_engine_dir,$(MOCK034),0.34.0,$(STAMP034),$(VPY034)))
 
 # The 0.33 suite (every test that needs no model engine, and tests/e2e_033) on 0.34.0.
 test-034: setup-034 mock-engine-034
