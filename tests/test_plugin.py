@@ -292,6 +292,21 @@ def test_a_bad_setting_stops_start_up_even_on_a_changed_vllm(env: dict[str, str]
     assert r["raised"] in ("FaultConfigError", "BudgetConfigError", "MetricsConfigError"), r
 
 
+def test_the_adapters_decode_none_fields_are_fields_of_this_engine_core_output() -> None:
+    """The native statistics read `EcoFields.decode_none` by name on every decode
+    output: each must be a field of this vLLM's EngineCoreOutput, whose field list the
+    adapter's ECO_STRUCT_FIELDS matches exactly."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    found = vllm_adapter.get()
+    if found is None:
+        pytest.skip(f"vLLM {vllm_adapter.installed_vllm_version()} is not supported")
+    fields = found.ECO_FIELDS
+    assert tuple(EngineCoreOutput.__struct_fields__) == found.ECO_STRUCT_FIELDS
+    assert set(fields.decode_none) <= set(found.ECO_STRUCT_FIELDS)
+    assert ("watermarking" in fields.decode_none) == ("watermarking" in EngineCoreOutput.__struct_fields__)
+
+
 def test_the_adapter_records_the_signature_of_every_target_and_called_function() -> None:
     """What `_install_checked` compares: complete for this vLLM, and matching it."""
     r = _run("""
