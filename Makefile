@@ -35,7 +35,8 @@ export DO_NOT_TRACK := 1
 RUST_SRC := Cargo.toml pyproject.toml $(shell find rust/src -name '*.rs' 2>/dev/null)
 
 .PHONY: setup vocabs demo test test-rust test-py bench bench-rust bench-py bench-serve soak clean test-fast lint wheel
-.PHONY: setup-033 test-033 mock-engine bench-serve-033 bench-serve-model setup-034 test-034 mock-engine-034
+.PHONY: setup-033 test-033 mock-engine bench-serve-033 bench-serve-model setup-034 test-034 \
+	mock-engine-034 bench-serve-034
 
 setup: $(STAMP)/package
 
@@ -245,3 +246,9 @@ $(eval $(call mock_engine_dir,$(MOCK034),0.34.0,$(STAMP034),$(VPY034)))
 test-034: setup-034 mock-engine-034
 	$(VPY034) tools/tiny_model.py >/dev/null
 	$(VPY034) -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 tests --ignore=tests/e2e
+
+# The served-speed run with the Python front ends on vLLM 0.34.0, 0.34's mock engine and
+# vllm-rs (the 0.33 binaries cannot talk to 0.34's front end or engine).
+bench-serve-034: setup-034 mock-engine-034
+	MOCK_ENGINE=$(MOCK034)/vllm-mock-engine VLLM_RS=$(MOCK034)/vllm-rs $(VPY034) benches/bench_serve.py \
+	  $(if $(filter 1,$(PROFILE)),--profile 20)

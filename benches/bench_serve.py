@@ -8,7 +8,7 @@ bottleneck. Configurations (started once, all kept up, reused by every repeat):
   plugin/on  the same with the plugin
   stock/off, plugin/off   the same with --disable-log-stats (chat only by default, to keep
              the whole run under 15 minutes on 2 cores; --off-endpoints)
-  rust/on    `vllm-rs serve` (vLLM 0.33's Rust front end, text only); rust/off on request
+  rust/on    `vllm-rs serve` (vLLM's Rust front end, text only); rust/off on request
   permsg/on  on request: the plugin with statistics recorded per engine-output message,
              as vLLM does (VLLM_MMRETRY_CATCHUP_RECORDS=0): what the catch-up records give
   unmerged/on  on request: the plugin with the handler reading one waiting message at a
@@ -42,8 +42,10 @@ many repeats the row was at or below stock's p99 of the same repeat); then one J
 row, then the elapsed time.
 
 The Python front ends run the vLLM of the interpreter that runs this script: `.venv`'s
-0.32.0 (`make bench-serve`) or `.venv-033`'s 0.33.0 (`make bench-serve-033`); the header
-and every JSON row name it ("vllm"). vllm-rs is 0.33.0's in both.
+0.32.0 (`make bench-serve`), `.venv-033`'s 0.33.0 (`make bench-serve-033`) or `.venv-034`'s
+0.34.0 (`make bench-serve-034`); the header and every JSON row name it ("vllm"). vllm-rs and
+the mock engine are 0.33.0's for the first two and 0.34.0's for the third (each release
+has its own wire format; `servers.mock_dir()`).
 
 Usage: python benches/bench_serve.py [--quick] [--repeat N] [--concurrency 8,32,...]
        [--endpoints chat,completions] [--configs stock/on,plugin/on,...] [--json-out F]
