@@ -83,8 +83,10 @@ def test_every_configuration_has_a_sane_row(quick_rows: tuple[list[dict], pathli
 
 def test_open_loop_rows_keep_the_offered_rate(quick_rows: tuple[list[dict], pathlib.Path]) -> None:
     """--quick's open-loop pass: 30 requests/s for 2 s on each configuration, far below
-    what any of them serves, so each completes them at about the offered rate."""
-    rows = [r for r in open_loop(quick_rows[0]) if "stock_fraction" not in r]
+    what any of them serves, so each completes them at about the offered rate. On a slow
+    moment 0.9 x stock's closed-loop rate can round to 30 too (stock at 33.5 requests/s in
+    one CI run): then one run serves as both, and its rows also carry `stock_fraction`."""
+    rows = [r for r in open_loop(quick_rows[0]) if r["request_rate"] == 30.0]
     assert sorted(r["config"] for r in rows) == sorted(["stock/on", "plugin/on", "rust/on"])
     for r in rows:
         assert (r["endpoint"], r["request_rate"], r["repeats"]) == ("chat", 30.0, 1)
