@@ -24,7 +24,7 @@ def quick_rows() -> list[dict]:
     requires_plugin_on_this_vllm()
     args = bench_serve.parse_args(["--quick"])
     for binary in (args.tools.mock_engine, args.tools.vllm_rs):
-        assert binary.exists(), f"{binary} missing: `make mock-engine` / `make mock-engine-034`"
+        assert binary.exists(), f"{binary} missing: `make {bench_serve.mock_make_target()}`"
     return bench_serve.main(["--quick", "--rates", "", "--stock-fraction", "0"])
 
 
