@@ -62,6 +62,11 @@ eco_fields! {
 
 type Offsets = [isize; COUNT];
 
+/// Every offset, when each one was found.
+fn all_found(found: &[Option<isize>]) -> Option<Vec<isize>> {
+    found.iter().copied().collect()
+}
+
 pub struct EcoReader {
     cls: Py<PyType>,
     names: Vec<Py<PyString>>,
@@ -99,15 +104,24 @@ impl EcoReader {
     ) -> PyResult<Self> {
         let by_field = names.by_field();
         let extra: Vec<&str> = names.decode_none.iter().map(String::as_str).collect();
-        let probe = |fields: &[&str]| {
-            if slot_reads {
-                Self::probe(py, cls, fields).unwrap_or(None)
-            } else {
-                None
-            }
+        // One probe instance for both lists; each list is fast only when all its
+        // fields were found.
+        let found = if slot_reads {
+            let all: Vec<&str> = by_field.iter().chain(&extra).copied().collect();
+            Self::probe(py, cls, &all).ok()
+        } else {
+            None
         };
-        let offsets = probe(&by_field).and_then(|v| Offsets::try_from(v).ok());
-        let decode_none_offsets = probe(&extra);
+        let (offsets, decode_none_offsets) = match found {
+            Some(found) => {
+                let (core, dn) = found.split_at(by_field.len());
+                (
+                    all_found(core).and_then(|v| Offsets::try_from(v).ok()),
+                    all_found(dn),
+                )
+            }
+            None => (None, None),
+        };
         let intern = |n: &&str| PyString::intern(py, n).unbind();
         Ok(Self {
             cls: cls.clone().unbind(),
@@ -118,11 +132,13 @@ impl EcoReader {
         })
     }
 
+    /// Each name's slot offset in `cls` instances, None where it has no slot we
+    /// could find and confirm through the descriptor.
     fn probe(
         py: Python<'_>,
         cls: &Bound<'_, PyType>,
         names: &[&str],
-    ) -> PyResult<Option<Vec<isize>>> {
+    ) -> PyResult<Vec<Option<isize>>> {
         let fields: Vec<String> = cls.getattr("__struct_fields__")?.extract()?;
         let object = py.eval(c"object", None, None)?;
         let kwargs = PyDict::new(py);
@@ -134,39 +150,40 @@ impl EcoReader {
         }
         let probe = cls.call((), Some(&kwargs))?;
         let basic: isize = cls.getattr("__basicsize__")?.extract()?;
-        let ptr_size = std::mem::size_of::<*mut ffi::PyObject>() as isize;
-        let mut offsets = vec![0isize; names.len()];
-        for (i, name) in names.iter().enumerate() {
-            let Some((_, s)) = sentinels.iter().find(|(f, _)| f == name) else {
-                return Ok(None);
+        let mut offsets = Vec::with_capacity(names.len());
+        for name in names {
+            let offset = match sentinels.iter().find(|(f, _)| f == name) {
+                Some((_, s)) => Self::slot_offset(&probe, basic, s)
+                    .filter(|_| probe.getattr(*name).is_ok_and(|v| v.is(s))),
+                None => None,
             };
-            let want = s.as_ptr();
-            let mut found = None;
-            let mut off = std::mem::size_of::<ffi::PyObject>() as isize;
-            while off + ptr_size <= basic {
-                // SAFETY: `probe` is a live instance of `cls` and [0, basicsize) is its
-                // fixed-size part; we only compare the loaded word to a pointer.
-                let word = unsafe {
-                    *(probe.as_ptr() as *const u8)
-                        .offset(off)
-                        .cast::<*mut ffi::PyObject>()
-                };
-                if word == want {
-                    found = Some(off);
-                    break;
-                }
-                off += ptr_size;
-            }
-            match found {
-                Some(o) => offsets[i] = o,
-                None => return Ok(None),
-            }
-            // Double-check through the descriptor.
-            if !probe.getattr(*name)?.is(s) {
-                return Ok(None);
-            }
+            offsets.push(offset);
         }
-        Ok(Some(offsets))
+        Ok(offsets)
+    }
+
+    /// The offset in `probe`'s fixed-size part of the word that points at `want`.
+    fn slot_offset(
+        probe: &Bound<'_, PyAny>,
+        basic: isize,
+        want: &Bound<'_, PyAny>,
+    ) -> Option<isize> {
+        let ptr_size = std::mem::size_of::<*mut ffi::PyObject>() as isize;
+        let mut off = std::mem::size_of::<ffi::PyObject>() as isize;
+        while off + ptr_size <= basic {
+            // SAFETY: `probe` is a live instance of its class and [0, basicsize) is its
+            // fixed-size part; we only compare the loaded word to a pointer.
+            let word = unsafe {
+                *(probe.as_ptr() as *const u8)
+                    .offset(off)
+                    .cast::<*mut ffi::PyObject>()
+            };
+            if word == want.as_ptr() {
+                return Some(off);
+            }
+            off += ptr_size;
+        }
+        None
     }
 
     pub fn fast(&self) -> bool {
