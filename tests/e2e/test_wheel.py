@@ -44,7 +44,10 @@ def _run(cmd: list[str], cwd: pathlib.Path, timeout: float = 1800, **env: str) -
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("wheels")
-    _run([str(VENV / "bin" / "maturin"), "build", "--release", "--out", str(out)], ROOT,
+    # The interpreter the venvs' editable build used (Makefile, BUILD_PY): with the same
+    # PYO3_PYTHON cargo reuses that build instead of rebuilding pyo3 and the crate.
+    _run([str(VENV / "bin" / "maturin"), "build", "--release", "-i",
+          os.path.realpath(sys.executable), "--out", str(out)], ROOT,
          VIRTUAL_ENV=str(VENV), PATH=f"{VENV / 'bin'}:{os.environ['PATH']}")
     wheels = list(out.glob("*.whl"))
     assert len(wheels) == 1, wheels
