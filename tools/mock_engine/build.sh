@@ -26,7 +26,11 @@ ZEROMQ='zeromq = { version = "0.7.0", default-features = false, features = ["tok
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-WORK=${MOCK_ENGINE_WORK:-$ROOT/.cache/mock-engine-build}/$VLLM_VERSION
+BUILDS=${MOCK_ENGINE_WORK:-$ROOT/.cache/mock-engine-build}
+WORK=$BUILDS/$VLLM_VERSION
+# One target dir for every release: their crates.io dependencies are mostly the same
+# versions, so the second release's build reuses the first one's.
+TARGET=$BUILDS/target
 PY=${PYTHON:-python3}
 SDIST=$WORK/vllm-$VLLM_VERSION.tar.gz
 
@@ -74,7 +78,11 @@ mkdir -p "$WORK" "$DEST"
 sha_ok "$SDIST" || fetch_sdist
 WS=$WORK/ws
 rm -rf "$WS.new" && mkdir -p "$WS.new"
-tar -xzf "$SDIST" -C "$WS.new" --strip-components=2 "vllm-$VLLM_VERSION/rust"
+# --touch: the sources get the extraction time. The releases' workspace crates share names,
+# versions and (cargo hashes path crates relative to the workspace) artifact names in the
+# shared target dir; with the sdist's older mtimes cargo would take one release's build of
+# them for the other's.
+tar -xzf "$SDIST" -C "$WS.new" --touch --strip-components=2 "vllm-$VLLM_VERSION/rust"
 cut_workspace "$WS.new/Cargo.toml"
 cp "$HERE/Cargo-$VLLM_VERSION.lock" "$WS.new/Cargo.lock"
 applied=()
@@ -83,9 +91,11 @@ for p in "$HERE"/patches/*.patch; do
   patch -d "$WS.new" -p1 --batch --forward --quiet <"$p"
   applied+=("$(basename "$p")")
 done
-# Keep the target dir between builds (incremental); the sources are replaced whole.
-[[ -d $WS/target ]] && mv "$WS/target" "$WS.new/target"
 rm -rf "$WS" && mv "$WS.new" "$WS"
-(cd "$WS" && cargo build --release --locked -p vllm-mock-engine)
-install -m 755 "$WS/target/release/vllm-mock-engine" "$DEST/vllm-mock-engine"
+# Held until the binary is copied: a build of another release would replace it.
+exec 9>"$BUILDS/target.lock"
+flock 9
+(cd "$WS" && CARGO_TARGET_DIR=$TARGET cargo build --release --locked -p vllm-mock-engine)
+install -m 755 "$TARGET/release/vllm-mock-engine" "$DEST/vllm-mock-engine"
+exec 9>&-
 echo "built $DEST/vllm-mock-engine (vLLM $VLLM_VERSION; patches: ${applied[*]:-none})"
