@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import zygote  # tools/, put on sys.path by conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,8 +54,8 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(**env: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env})
+    """PROBE in an interpreter of its own (tools/zygote.py: vLLM's package preloaded)."""
+    proc = zygote.shared().run(["-c", PROBE], {**os.environ, **env}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
