@@ -115,8 +115,7 @@ lint: setup
 
 # One abi3 wheel into target/wheels (version: Cargo.toml).
 wheel: setup
-	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH \
-	  $(VENV)/bin/maturin build --release -i $(BUILD_PY) --out target/wheels
+	$(VENV)/bin/maturin build --release -i $(BUILD_PY) --out target/wheels
 
 bench: setup bench-rust bench-py
 

@@ -8,10 +8,10 @@ imports everything else itself: this package, vLLM's engine and entry points, th
 plugin (`load_general_plugins` runs in the child).
 
 A run forks only when nothing the preload read can differ: its environment may differ
-from the zygote's only in VLLM_* variables the preload did not read (vLLM reads the
-others lazily, through `vllm.envs`) and in pytest's PYTEST_CURRENT_TEST. Any other
-difference (PYTHONPATH, a sitecustomize, HF_*, a VLLM_LOGGING_* variable) runs a real
-fresh interpreter.
+from the zygote's only in VLLM_* and TORCHINDUCTOR_* variables the preload did not read
+(Python code reads them when it needs them) and in pytest's PYTEST_CURRENT_TEST. Any
+other difference (PYTHONPATH, a sitecustomize, HF_*, a VLLM_LOGGING_* variable) runs a
+real fresh interpreter.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from typing import Any
 # later: the two heaviest, and cv2, whose import sets LD_LIBRARY_PATH (so a test process
 # that imported it compares equal).
 PRELOAD = ("vllm", "transformers", "openai", "cv2")
-# Names a run may change: vLLM reads its own through `vllm.envs` when asked (a name
-# the preload read is still refused), and pytest sets PYTEST_CURRENT_TEST per test.
-# Others can be read by native code at start-up, where the recorder cannot see.
-LAZY_PREFIXES = ("VLLM_", "PYTEST_")
+# Names a run may change, when the preload did not read them: names only Python code
+# reads (vLLM's own, through `vllm.envs`; torch's inductor settings, one of which vLLM's
+# compilation modules set in a process that imports them) and pytest's
+# PYTEST_CURRENT_TEST. Others can be read by native code at start-up (the loader,
+# OpenMP, the interpreter), where the recorder cannot see.
+LAZY_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "PYTEST_")
 
 
 # --- The zygote process -------------------------------------------------------------

@@ -44,11 +44,12 @@ def _run(cmd: list[str], cwd: pathlib.Path, timeout: float = 1800, **env: str) -
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("wheels")
-    # The interpreter the venvs' editable build used (Makefile, BUILD_PY): with the same
-    # PYO3_PYTHON cargo reuses that build instead of rebuilding pyo3 and the crate.
-    _run([str(VENV / "bin" / "maturin"), "build", "--release", "-i",
-          os.path.realpath(sys.executable), "--out", str(out)], ROOT,
-         VIRTUAL_ENV=str(VENV), PATH=f"{VENV / 'bin'}:{os.environ['PATH']}")
+    # The interpreter the venvs' editable build used, which the Makefile exports as
+    # PYO3_PYTHON (its BUILD_PY, the venv's base interpreter): with the same one cargo
+    # reuses that build instead of rebuilding pyo3 and the crate.
+    build_py = os.environ.get("PYO3_PYTHON") or os.path.realpath(sys.executable)
+    _run([str(VENV / "bin" / "maturin"), "build", "--release", "-i", build_py,
+          "--out", str(out)], ROOT)
     wheels = list(out.glob("*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
