@@ -1,4 +1,4 @@
-"""`vllm-mmretry doctor` as an operator runs it (its own interpreter through the CLI):
+"""`vllm-mmretry doctor` as an operator runs it (a fresh interpreter through the CLI):
 on the tiny LLaVA model (lru layout; processor_only with two API servers; shm; cache
 off), on the Tekken vocabulary folder, text and JSON, and exit status 1 when vLLM's
 version is not supported or VLLM_PLUGINS leaves the plugin out."""
@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import textwrap
 from typing import Any
 
 import pytest
-import zygote  # tools/, put on sys.path by conftest
 
 from vllm_mmretry import vllm_adapter
 from vllm_mmretry.vllm_adapter import installed_vllm_version
 
+PY = sys.executable
 # vLLM's version faked before the doctor asks for it (the way test_plugin fakes it).
 FAKE_VERSION = textwrap.dedent("""
     import sys, vllm
@@ -28,12 +29,10 @@ FAKE_VERSION = textwrap.dedent("""
 
 
 def doctor(*args: str, code: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
-    """A doctor run in its own interpreter (tools/zygote.py: vLLM's package preloaded)."""
-    argv = ["-c", code, *args] if code else ["-m", "vllm_mmretry.cli", *args]
-    run_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
-    if "VLLM_PLUGINS" not in env:
-        run_env.pop("VLLM_PLUGINS", None)
-    return zygote.shared().run(argv, run_env, timeout=900)
+    cmd = [PY, "-c", code, *args] if code else [PY, "-m", "vllm_mmretry.cli", *args]
+    return subprocess.run(["env", "-u", "VLLM_PLUGINS", *cmd] if "VLLM_PLUGINS" not in env
+                          else cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
 
 
 def report(*args: str, **env: str) -> tuple[int, dict[str, Any]]:

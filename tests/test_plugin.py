@@ -7,25 +7,29 @@ import importlib.metadata
 import json
 import os
 import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
 import servers  # tools/, put on sys.path by conftest
-import zygote
 
 from vllm_mmretry import vllm_adapter
 
-
-def _run_in_own_interpreter(code: str, env: dict[str, str]) -> dict:
-    """Run `code` in an interpreter of its own (patches are per process; tools/zygote.py
-    forks one with vLLM's package preloaded); it prints JSON."""
-    out = zygote.shared().run(["-c", textwrap.dedent(code)], env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+PY = sys.executable
 
 
 def _run(code: str, **env: str) -> dict:
-    return _run_in_own_interpreter(code, {**os.environ, **env})
+    """Run `code` in a fresh interpreter (patches are per process); it prints JSON."""
+    out = subprocess.run(
+        [PY, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 PROBE = """
@@ -162,7 +166,7 @@ def test_the_package_variables_pass_vllms_environment_check(env: dict[str, str])
 def test_with_no_package_variable_set_vllms_compile_cache_key_is_stock() -> None:
     """A declared name enters vLLM's torch.compile cache key: only set ones are declared."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MMRETRY")}
-    r = _run_in_own_interpreter("""
+    out = subprocess.run([PY, "-c", textwrap.dedent("""
         import json
         from vllm import envs
         from vllm.plugins import load_general_plugins
@@ -171,8 +175,9 @@ def test_with_no_package_variable_set_vllms_compile_cache_key_is_stock() -> None
         from vllm_mmretry import plugin
         print(json.dumps({"same": envs.compile_factors() == before,
                           "patched": bool(plugin.active_patches())}))
-    """, env)
-    assert r == {"same": True, "patched": True}
+    """)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "patched": True}
 
 
 @pytest.mark.parametrize("switch", ["0", "1"])
